@@ -1,0 +1,148 @@
+"""Reader promises: token ranges, documents, integrity errors, safe paths, small pickles; the CLI."""
+
+from __future__ import annotations
+
+import json
+import pickle
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+from conftest import paragraphs, write_jsonl
+
+import torchcache as tc
+from torchcache.format import MANIFEST_NAME
+
+
+@pytest.fixture()
+def cache_dir(tmp_path, books, gpt2_tokenizer_path):
+    docs = paragraphs(books, 600)
+    src = write_jsonl(tmp_path / "docs.jsonl", docs)
+    tc.build_cache(src, tmp_path / "cache", gpt2_tokenizer_path, block_tokens=1_500, progress=False)
+    return tmp_path / "cache", docs
+
+
+def test_read_ranges_cross_blocks_and_match_documents(cache_dir, gpt2):
+    root, docs = cache_dir
+    cache = tc.TokenCache(root)
+    assert cache.num_blocks > 10
+    everything = np.concatenate([cache.document(i) for i in range(cache.num_documents)])
+    assert len(everything) == cache.num_tokens
+    assert np.array_equal(cache.read(0, cache.num_tokens), everything)
+    rng = np.random.default_rng(0)
+    for _ in range(200):
+        a, b = sorted(rng.integers(0, cache.num_tokens + 1, size=2))
+        assert np.array_equal(cache.read(a, b), everything[a:b])
+    starts = cache.document_starts_in(0, cache.num_tokens)
+    assert starts.tolist() == [cache.document_span(i)[0] for i in range(1, cache.num_documents)]
+    for i in (0, 17, cache.num_documents - 1):
+        assert gpt2.decode(cache.document(i)[:-1].tolist()) == docs[i]
+    with pytest.raises(IndexError):
+        cache.read(0, cache.num_tokens + 1)
+    with pytest.raises(IndexError):
+        cache.document(cache.num_documents)
+
+
+def test_pickle_is_small_and_works_after_fork(cache_dir):
+    root, _ = cache_dir
+    cache = tc.TokenCache(root)
+    cache.read(0, 5000)  # opens files; they must not travel
+    blob = pickle.dumps(cache)
+    assert len(blob) < 16_000
+    clone = pickle.loads(blob)
+    assert np.array_equal(clone.read(100, 4000), cache.read(100, 4000))
+
+
+def _flip_byte(path, offset_from_end=10):
+    data = bytearray(path.read_bytes())
+    data[-offset_from_end] ^= 0xFF
+    path.write_bytes(bytes(data))
+
+
+def test_corrupted_block_is_reported_by_verify_and_reader(cache_dir):
+    root, _ = cache_dir
+    manifest = json.loads((root / MANIFEST_NAME).read_text())
+    bad = root / manifest["blocks"][3]["path"]
+    assert tc.verify_cache(root) == []
+    _flip_byte(bad)
+    problems = tc.verify_cache(root)
+    assert len(problems) == 1 and str(bad) in problems[0] and "checksum" in problems[0]
+    cli = subprocess.run([sys.executable, "-m", "torchcache", "verify", str(root)],
+                         capture_output=True, text=True)
+    assert cli.returncode == 1 and str(bad) in cli.stderr
+    with pytest.raises(tc.CacheFormatError, match=str(bad)):
+        tc.TokenCache(root, verify_checksums=True).read(0, tc.TokenCache(root).num_tokens)
+
+
+def test_truncated_block_is_reported_by_reader_and_verify(cache_dir):
+    root, _ = cache_dir
+    manifest = json.loads((root / MANIFEST_NAME).read_text())
+    bad = root / manifest["blocks"][2]["path"]
+    bad.write_bytes(bad.read_bytes()[:-100])
+    cache = tc.TokenCache(root)
+    with pytest.raises(tc.CacheFormatError, match=f"{bad}.*truncated"):
+        cache.read(0, cache.num_tokens)
+    problems = tc.verify_cache(root)
+    assert any(str(bad) in p for p in problems)
+    side = root / manifest["blocks"][5]["offsets"]
+    side.write_bytes(side.read_bytes()[:20])
+    with pytest.raises(tc.CacheFormatError, match=str(side)):
+        tc.TokenCache(root).block_offsets(5)
+
+
+def test_manifest_paths_outside_the_cache_are_refused(cache_dir):
+    root, _ = cache_dir
+    manifest = json.loads((root / MANIFEST_NAME).read_text())
+    for evil in ("../outside.safetensors", "/etc/passwd", "blocks/../../x", "s3://bucket/x"):
+        manifest["blocks"][0]["path"] = evil
+        (root / MANIFEST_NAME).write_text(json.dumps(manifest))
+        with pytest.raises(tc.CacheFormatError, match="path"):
+            tc.TokenCache(root)
+
+
+def test_unknown_format_version_is_refused(cache_dir):
+    root, _ = cache_dir
+    manifest = json.loads((root / MANIFEST_NAME).read_text())
+    manifest["version"] = 99
+    (root / MANIFEST_NAME).write_text(json.dumps(manifest))
+    with pytest.raises(tc.CacheFormatError, match="version 99"):
+        tc.TokenCache(root)
+    with pytest.raises(FileNotFoundError, match="not a torchcache cache"):
+        tc.TokenCache(root / "blocks")
+
+
+def test_block_files_are_standard_safetensors(cache_dir):
+    from safetensors.numpy import load_file
+    root, _ = cache_dir
+    cache = tc.TokenCache(root)
+    manifest = json.loads((root / MANIFEST_NAME).read_text())
+    entry = manifest["blocks"][1]
+    tokens = load_file(str(root / entry["path"]))["tokens"]
+    offsets = load_file(str(root / entry["offsets"]))["offsets"]
+    assert tokens.dtype == np.uint16 and offsets.dtype == np.int64
+    assert offsets[0] == 0 and offsets[-1] == len(tokens) == entry["num_tokens"]
+    start = int(cache.block_token_starts()[1])
+    assert np.array_equal(tokens, cache.read(start, start + len(tokens)))
+
+
+def test_cli_build_info_show_verify(tmp_path, books, gpt2_tokenizer_path):
+    docs = paragraphs(books, 50)
+    src = write_jsonl(tmp_path / "d.jsonl", docs)
+    out = tmp_path / "c"
+    run = lambda *a: subprocess.run([sys.executable, "-m", "torchcache", *a], capture_output=True,
+                                    text=True)
+    built = run("build", src, "-o", str(out), "-t", gpt2_tokenizer_path, "--block-tokens", "500")
+    assert built.returncode == 0, built.stderr
+    assert "50 documents" in built.stdout and "tokenizing" in built.stderr  # progress bar
+    assert "nothing to do" in run("build", src, "-o", str(out), "-t", gpt2_tokenizer_path,
+                                  "--block-tokens", "500").stdout
+    info = run("info", str(out), "--json")
+    assert info.returncode == 0 and json.loads(info.stdout)["documents"] == 50
+    assert "doc length" in run("info", str(out)).stdout
+    shown = run("show", str(out), "--document", "7")
+    assert shown.stdout.startswith(docs[7]) and "<|endoftext|>" in shown.stdout
+    assert run("verify", str(out)).returncode == 0
+    bad = run("build", str(tmp_path / "missing.jsonl"), "-o", str(tmp_path / "x"), "-t",
+              gpt2_tokenizer_path)
+    assert bad.returncode == 2 and "missing.jsonl" in bad.stderr and "Traceback" not in bad.stderr

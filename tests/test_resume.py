@@ -1,0 +1,225 @@
+"""Crash safety: kill -9 and resume, readers during a background build, bad input handling."""
+
+from __future__ import annotations
+
+import gzip
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+from conftest import paragraphs, tree_bytes, write_jsonl
+
+import torchcache as tc
+from torchcache.format import MANIFEST_NAME, file_checksum
+
+BLOCK = 2_000
+
+
+@pytest.fixture()
+def big_shards(tmp_path, books):
+    """Four real shards, about 300 K tokens: slow enough to be interrupted mid-way."""
+    docs = paragraphs(books)
+    d = tmp_path / "in"
+    d.mkdir()
+    return [write_jsonl(d / f"s{i}.jsonl", docs[i % 2::2] + docs[: 500 * (i + 1)]) for i in range(4)]
+
+
+def _committed(root: str) -> list[dict]:
+    try:
+        with open(os.path.join(root, MANIFEST_NAME)) as f:
+            manifest = json.load(f)
+    except (FileNotFoundError, ValueError):
+        return []
+    return manifest["blocks"] + manifest["pending"]
+
+
+def _stamps(root: str, entries: list[dict]) -> dict[str, tuple[int, int]]:
+    out = {}
+    for e in entries:
+        for rel in (e["path"], e["offsets"]):
+            st = os.stat(os.path.join(root, rel))
+            out[rel] = (st.st_ino, st.st_mtime_ns)
+    return out
+
+
+def test_kill_9_at_several_points_then_resume_gives_the_same_cache(tmp_path, big_shards,
+                                                                     gpt2_tokenizer_path):
+    reference = tc.build_cache(big_shards, tmp_path / "ref", gpt2_tokenizer_path, block_tokens=BLOCK,
+                               num_workers=1, progress=False)
+    assert reference.num_blocks > 60
+    out = str(tmp_path / "killed")
+    script = ("import sys, json, torchcache as tc; "
+              "tc.build_cache(json.loads(sys.argv[1]), sys.argv[2], sys.argv[3], "
+              f"block_tokens={BLOCK}, num_workers=2, progress=False)")
+    kills, previous = 0, {}
+    for target in (1, 15, 40):
+        proc = subprocess.Popen([sys.executable, "-c", script, json.dumps(big_shards), out,
+                                 gpt2_tokenizer_path])
+        while proc.poll() is None and len(_committed(out)) < target:
+            time.sleep(0.005)
+        if proc.poll() is None:
+            os.kill(proc.pid, signal.SIGKILL)
+            kills += 1
+        proc.wait()
+        stamps = _stamps(out, _committed(out))
+        # work committed by an earlier run is never redone (same inode and mtime) nor lost
+        assert {k: stamps.get(k) for k in previous} == previous
+        previous = stamps
+    result = tc.build_cache(big_shards, out, gpt2_tokenizer_path, block_tokens=BLOCK,
+                            num_workers=2, progress=False)
+    assert kills >= 2, "the build finished before it could be killed; make the input larger"
+    assert {k: v for k, v in _stamps(out, _committed(out)).items() if k in previous} == previous
+    assert result.tokens_built < reference.num_tokens
+    assert tree_bytes(out) == tree_bytes(reference.path)
+    assert not [n for n in os.listdir(out) if ".tmp-" in n]
+
+
+def test_reader_during_background_build_sees_only_complete_blocks(tmp_path, big_shards,
+                                                                    gpt2_tokenizer_path):
+    out = tmp_path / "growing"
+    handle = tc.build_cache(big_shards, out, gpt2_tokenizer_path, block_tokens=BLOCK,
+                            num_workers=2, background=True)
+    while not (out / MANIFEST_NAME).exists():
+        assert handle.error is None
+        time.sleep(0.01)
+    cache = tc.TokenCache(out)
+    checked, looks = 0, 0
+    while True:
+        finished = handle.done
+        cache.refresh()
+        looks += 1
+        manifest = json.loads((out / MANIFEST_NAME).read_text())
+        for entry in manifest["blocks"][checked:cache.num_blocks]:
+            assert file_checksum(str(out / entry["path"])) == entry["checksum"]
+            assert file_checksum(str(out / entry["offsets"])) == entry["offsets_checksum"]
+        if cache.num_tokens:
+            assert len(cache.read(0, cache.num_tokens)) == cache.num_tokens
+        checked = cache.num_blocks
+        if finished:
+            break
+        time.sleep(0.01)
+    result = handle.wait()
+    assert handle.error is None and cache.refresh() is False and cache.complete
+    assert cache.num_tokens == result.num_tokens and handle.progress["complete"]
+    ref = tc.build_cache(big_shards, tmp_path / "ref", gpt2_tokenizer_path, block_tokens=BLOCK,
+                         num_workers=1, progress=False)
+    assert tree_bytes(str(out)) == tree_bytes(ref.path)
+
+
+def test_cancel_keeps_committed_blocks_and_resumes(tmp_path, big_shards, gpt2_tokenizer_path):
+    out = tmp_path / "c"
+    handle = tc.build_cache(big_shards, out, gpt2_tokenizer_path, block_tokens=BLOCK,
+                            num_workers=2, background=True)
+    while len(_committed(str(out))) < 3 and not handle.done:
+        time.sleep(0.005)
+    handle.cancel()
+    assert handle.done
+    if handle.error is not None:
+        assert isinstance(handle.error, tc.BuildError)
+        with pytest.raises(tc.BuildError):
+            handle.wait()
+    tc.build_cache(big_shards, out, gpt2_tokenizer_path, block_tokens=BLOCK, progress=False)
+    ref = tc.build_cache(big_shards, tmp_path / "ref", gpt2_tokenizer_path, block_tokens=BLOCK,
+                         num_workers=1, progress=False)
+    assert tree_bytes(str(out)) == tree_bytes(ref.path)
+
+
+# ------------------------------------------------------------------ bad input
+
+def _bad_files(tmp_path, books) -> dict[str, tuple[str, str]]:
+    """name -> (path, expected error text) for each kind of bad input."""
+    good = [json.dumps({"text": t}) for t in paragraphs(books, 40)]
+    d = tmp_path / "bad"
+    d.mkdir()
+    files = {}
+
+    def write(name, lines_or_bytes, expect):
+        path = d / name
+        data = lines_or_bytes if isinstance(lines_or_bytes, bytes) else \
+            ("\n".join(lines_or_bytes) + "\n").encode()
+        path.write_bytes(data)
+        files[name] = (str(path), expect)
+
+    write("malformed.jsonl", good[:5] + ['{"text": "unterminated'] + good[5:10],
+          "malformed.jsonl:6: malformed JSON")
+    write("missing.jsonl", good[:3] + ['{"body": "no text key"}'] + good[3:6],
+          "missing.jsonl:4: no 'text' field")
+    write("utf8.jsonl", ("\n".join(good[:7]) + "\n").encode() + b'{"text": "caf\xe9"}\n',
+          "utf8.jsonl:8: invalid UTF-8")
+    gz = gzip.compress(("\n".join(good) + "\n").encode())
+    write("truncated.jsonl.gz", gz[: len(gz) // 2], "truncated.jsonl.gz: cannot read the gzip stream")
+    import zstandard
+    zst = zstandard.ZstdCompressor().compress(("\n".join(good) + "\n").encode())
+    write("truncated.jsonl.zst", zst[: len(zst) // 2], "truncated.jsonl.zst: cannot read the zstd stream")
+    write("empty.jsonl", good[:2] + [json.dumps({"text": ""})], None)
+    return files
+
+
+def test_each_bad_input_names_file_and_line(tmp_path, books, gpt2_tokenizer_path):
+    for name, (path, expect) in _bad_files(tmp_path, books).items():
+        if expect is None:
+            continue
+        with pytest.raises(tc.InputError) as info:
+            tc.build_cache(path, tmp_path / f"out-{name}", gpt2_tokenizer_path, progress=False)
+        assert expect in str(info.value) and "on_error='skip'" in str(info.value), str(info.value)
+
+
+def test_skip_mode_counts_bad_records_in_the_manifest(tmp_path, books, gpt2_tokenizer_path):
+    files = _bad_files(tmp_path, books)
+    paths = [p for p, _ in files.values()]
+    tc.build_cache(paths, tmp_path / "c", gpt2_tokenizer_path, on_error="skip", progress=False)
+    cache = tc.TokenCache(tmp_path / "c")
+    assert cache.skipped == {"malformed_json": 1, "missing_text": 1, "invalid_utf8": 1,
+                             "unreadable": 2, "empty": 1}
+    manifest = json.loads((tmp_path / "c" / MANIFEST_NAME).read_text())
+    by_name = {os.path.basename(i["path"]): i["skipped"] for i in manifest["inputs"]}
+    assert by_name["malformed.jsonl"] == {"malformed_json": 1}
+    # a truncated file keeps at most the records decoded before the damage (a prefix)
+    assert 10 + 6 + 7 + 2 <= cache.num_documents <= 10 + 6 + 7 + 2 + _readable_prefix(files)
+
+
+def _readable_prefix(files) -> int:
+    """Documents a skip-mode build keeps from the two truncated files (those before the cut)."""
+    import zstandard
+    n = 0
+    path = files["truncated.jsonl.gz"][0]
+    with gzip.open(path, "rb") as f:
+        try:
+            for _ in f:
+                n += 1
+        except EOFError:
+            pass
+    raw = open(files["truncated.jsonl.zst"][0], "rb").read()
+    with zstandard.ZstdDecompressor().stream_reader(raw, read_across_frames=True) as r:
+        data = b""
+        try:
+            while chunk := r.read(1 << 16):
+                data += chunk
+        except zstandard.ZstdError:
+            pass
+    return n + data.count(b"\n")
+
+
+def test_error_keeps_committed_blocks_and_a_fixed_run_resumes(tmp_path, books, gpt2_tokenizer_path):
+    docs = [json.dumps({"text": t}) for t in paragraphs(books, 400)]
+    good = write_jsonl(tmp_path / "good.jsonl", paragraphs(books, 300))
+    bad = tmp_path / "late-error.jsonl"
+    bad.write_text("\n".join(docs[:350] + ["not json"] + docs[350:]) + "\n")
+    out = tmp_path / "c"
+    with pytest.raises(tc.InputError, match="late-error.jsonl:351"):
+        tc.build_cache([good, str(bad)], out, gpt2_tokenizer_path, block_tokens=BLOCK,
+                       num_workers=1, progress=False)
+    kept = _committed(str(out))
+    assert len(kept) > 5 and any(e["input"] == 1 for e in kept)
+    stamps = _stamps(str(out), kept)
+    tc.build_cache([good, str(bad)], out, gpt2_tokenizer_path, block_tokens=BLOCK,
+                   on_error="skip", progress=False)
+    assert _stamps(str(out), kept) == stamps
+    fresh = tc.build_cache([good, str(bad)], tmp_path / "fresh", gpt2_tokenizer_path,
+                           block_tokens=BLOCK, on_error="skip", progress=False)
+    assert tree_bytes(str(out)) == tree_bytes(fresh.path)
+    assert tc.TokenCache(out).skipped == {"malformed_json": 1}

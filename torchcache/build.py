@@ -1,0 +1,542 @@
+"""The cache builder: tokenize inputs into immutable blocks, commit them in a deterministic order.
+
+Each input shard is tokenized sequentially by one worker into blocks of whole documents. A worker
+writes a block durably, then tells the coordinator, which records it in the manifest. The token
+stream is the blocks in round-robin order over inputs (input 0 block 0, input 1 block 0, ...,
+input 0 block 1, ...): a pure function of the inputs, never of timing or worker count. A block
+finished out of that order waits in the manifest's `pending` list (durable, so never redone),
+invisible to readers until every block before it in stream order is there.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import os
+import queue as queue_module
+import signal
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable, Iterable, Iterator
+
+import numpy as np
+
+from . import format as fmt
+from .inputs import ITERABLE_PATH, InputError, InputSource, iter_records, iter_strings, resolve_inputs
+from .tokenizing import (DocumentEncoder, TokenizerLike, canonical_json, load_tokenizer,
+                         special_token_id, tokenizer_fingerprint)
+
+_BATCH_CHARS = 4 << 20
+_BATCH_DOCS = 1024
+
+
+class BuildError(RuntimeError):
+    """The build could not finish; everything committed so far is kept and a re-run resumes."""
+
+
+@dataclass
+class BuildResult:
+    """Summary of a finished (or already complete) build."""
+
+    path: str
+    num_tokens: int
+    num_documents: int
+    num_blocks: int
+    skipped: dict[str, int]
+    fingerprint: str
+    seconds: float
+    tokens_built: int = 0  # tokens tokenized by this call (0 for a no-op re-run)
+
+    @property
+    def tokens_per_second(self) -> float:
+        return self.tokens_built / self.seconds if self.seconds > 0 else 0.0
+
+
+@dataclass(frozen=True)
+class _Job:
+    """Everything a worker needs for one build (picklable, small)."""
+
+    output: str
+    tokenizer_json: str
+    bos_id: int | None
+    eos_id: int | None
+    dtype: str
+    text_key: str
+    block_tokens: int
+    on_error: str
+    special_tokens_as_text: bool
+    storage_options: dict = field(default_factory=dict)
+
+
+# ---------------------------------------------------------------- per-input work (runs in workers)
+
+def build_input(job: _Job, index: int, source: InputSource | Iterable[str],
+                start: dict[str, Any]) -> Iterator[tuple]:
+    """Tokenize one input from its resume point; yield events for the coordinator.
+
+    Events: ("block", index, entry, progress), ("progress", index, position, tokens),
+    ("done", index, progress). `progress` is the input's resume point (records consumed and
+    skip counts) as of the end of that block.
+    """
+    encoder = DocumentEncoder(job.tokenizer_json, bos_id=job.bos_id, eos_id=job.eos_id,
+                              dtype=np.dtype(job.dtype),
+                              special_tokens_as_text=job.special_tokens_as_text)
+    skipped = dict(start["skipped"])
+    records = start["records"]
+    block_no = start["blocks"]
+    if isinstance(source, InputSource):
+        stream = iter_records(source, job.text_key, records, job.on_error, job.storage_options)
+    else:
+        stream = iter_strings(source, records, job.on_error)
+    docs: list[np.ndarray] = []
+    doc_tokens = 0
+
+    def flush(upto: int, counts: dict[str, int]) -> tuple:
+        nonlocal docs, doc_tokens, block_no
+        entry = _write_block(job, index, block_no, docs)
+        block_no += 1
+        docs, doc_tokens = [], 0
+        return ("block", index, entry, {"records": upto, "skipped": dict(counts), "blocks": block_no})
+
+    batches = _Batches(stream, skipped)
+    for batch in batches:
+        encoded = encoder.encode([r.text for r, _ in batch])
+        for (record, counts), ids in zip(batch, encoded):
+            if docs and doc_tokens + len(ids) > job.block_tokens:
+                yield flush(last_number, last_counts)
+            docs.append(ids)
+            doc_tokens += len(ids)
+            last_number, last_counts = record.number, counts
+            if doc_tokens >= job.block_tokens:
+                yield flush(last_number, last_counts)
+        yield ("progress", index, batch[-1][0].position, int(sum(len(x) for x in encoded)))
+    records_end = max(records, batches.last_number)
+    if docs:
+        yield flush(last_number, last_counts)
+    yield ("done", index, {"records": records_end, "skipped": skipped, "blocks": block_no})
+
+
+class _Batches:
+    """Groups non-empty documents into batches and counts skipped and empty records.
+
+    Each document comes with a snapshot of the skip counts as of its record, so a block can
+    record the input's exact resume point.
+    """
+
+    def __init__(self, stream: Iterator, skipped: dict[str, int]):
+        self.stream, self.skipped, self.last_number = stream, skipped, 0
+
+    def __iter__(self):
+        batch, chars = [], 0
+        try:
+            for record in self.stream:
+                self.last_number = record.number
+                if record.text is None:
+                    self.skipped[record.problem] = self.skipped.get(record.problem, 0) + 1
+                    continue
+                if not record.text:
+                    self.skipped["empty"] = self.skipped.get("empty", 0) + 1
+                    continue
+                batch.append((record, dict(self.skipped)))
+                chars += len(record.text)
+                if chars >= _BATCH_CHARS or len(batch) >= _BATCH_DOCS:
+                    yield batch
+                    batch, chars = [], 0
+        except InputError:
+            if batch:  # let the blocks completed before the bad record be committed first
+                yield batch
+            raise
+        if batch:
+            yield batch
+
+
+def _write_block(job: _Job, index: int, block_no: int, docs: list[np.ndarray]) -> dict[str, Any]:
+    tokens = np.concatenate(docs).astype(job.dtype, copy=False)
+    offsets = np.zeros(len(docs) + 1, dtype=np.int64)
+    np.cumsum([len(d) for d in docs], out=offsets[1:])
+    path = fmt.block_name(index, block_no)
+    meta = {"format": fmt.FORMAT_NAME, "version": str(fmt.FORMAT_VERSION)}
+    block = fmt.write_tensor_file(job.output, path, "tokens", tokens, meta)
+    side = fmt.write_tensor_file(job.output, fmt.offsets_name(path), "offsets", offsets, meta)
+    return {"path": block.path, "checksum": block.checksum, "size": block.size,
+            "offsets": side.path, "offsets_checksum": side.checksum,
+            "num_tokens": int(len(tokens)), "num_documents": len(docs),
+            "input": index, "index": block_no}
+
+
+# ---------------------------------------------------------------- worker processes
+
+def _die_with_parent() -> None:
+    """Make a worker exit if its coordinator is killed (Linux), so no orphan keeps writing."""
+    try:
+        import ctypes
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        pass
+
+
+def _worker_main(job: _Job, sources: list[InputSource], starts: dict, tasks, events) -> None:
+    _die_with_parent()
+    parent = os.getppid()
+    while True:
+        index = tasks.get()
+        if index is None:
+            return
+        try:
+            for event in build_input(job, index, sources[index], starts[index]):
+                if os.getppid() != parent:
+                    return
+                events.put(event)
+        except InputError as e:
+            events.put(("error", index, "input", str(e)))
+            return
+        except Exception as e:  # reported to the coordinator, which re-raises it
+            import traceback
+            events.put(("error", index, "crash", f"{type(e).__name__}: {e}\n{traceback.format_exc()}"))
+            return
+
+
+# ---------------------------------------------------------------- coordinator
+
+class _Manifest:
+    """The coordinator's view of the manifest; `save()` writes it atomically."""
+
+    def __init__(self, root: str, spec: dict[str, Any], existing: dict[str, Any] | None):
+        self.root, self.spec = root, spec
+        n = len(spec["inputs"])
+        self.finished: list[list[dict]] = [[] for _ in range(n)]
+        self.progress: list[dict] = [{"records": 0, "skipped": {}, "blocks": 0, "done": False}
+                                     for _ in range(n)]
+        if existing:
+            for entry in existing["blocks"] + existing.get("pending", []):
+                self.finished[entry["input"]].append(entry)
+            for i, p in enumerate(existing["inputs"]):
+                self.progress[i] = {k: p[k] for k in ("records", "skipped", "blocks", "done")}
+            for blocks in self.finished:
+                blocks.sort(key=lambda e: e["index"])
+
+    def add_block(self, index: int, entry: dict, progress: dict) -> None:
+        self.finished[index].append(entry)
+        self.progress[index].update(progress)
+
+    def finish_input(self, index: int, progress: dict) -> None:
+        self.progress[index].update(progress, done=True)
+
+    def stream(self) -> tuple[list[dict], list[dict], bool]:
+        """The committed stream (round-robin prefix), the pending rest, and completeness."""
+        visible, r, n = [], 0, len(self.finished)
+        while True:
+            advanced = False
+            for i in range(n):
+                if r < len(self.finished[i]):
+                    visible.append(self.finished[i][r])
+                    advanced = True
+                elif not self.progress[i]["done"]:
+                    taken = {id(e) for e in visible}
+                    pending = [e for blocks in self.finished for e in blocks if id(e) not in taken]
+                    return visible, pending, False
+            if not advanced:
+                return visible, [], True
+            r += 1
+
+    def document(self) -> dict[str, Any]:
+        visible, pending, complete = self.stream()
+        skipped: dict[str, int] = {}
+        for p in self.progress:
+            for k, v in p["skipped"].items():
+                skipped[k] = skipped.get(k, 0) + v
+        return {
+            "format": fmt.FORMAT_NAME, "version": fmt.FORMAT_VERSION, "spec": self.spec,
+            "fingerprint": fmt.spec_fingerprint(self.spec),
+            "blocks": visible, "pending": pending, "complete": complete,
+            "num_tokens": sum(e["num_tokens"] for e in visible),
+            "num_documents": sum(e["num_documents"] for e in visible),
+            "inputs": [dict(spec_input, **progress)
+                       for spec_input, progress in zip(self.spec["inputs"], self.progress)],
+            "skipped": skipped,
+        }
+
+    def save(self) -> dict[str, Any]:
+        doc = self.document()
+        fmt.write_json_atomic(os.path.join(self.root, fmt.MANIFEST_NAME), doc)
+        return doc
+
+
+def _lock(root: str):
+    fd = os.open(os.path.join(root, ".lock"), os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        os.close(fd)
+        raise BuildError(f"another builder is writing {root!r} right now; wait for it to finish "
+                         "(or stop it) before building there") from None
+    return fd
+
+
+def _clean(root: str, manifest: dict[str, Any] | None) -> None:
+    """Remove temporary files and block files the manifest does not know (left by a crash)."""
+    known = set()
+    if manifest:
+        for e in manifest["blocks"] + manifest.get("pending", []):
+            known.update((e["path"], e["offsets"]))
+    for name in os.listdir(root):
+        if fmt.TMP_MARK in name:
+            os.unlink(os.path.join(root, name))
+    blocks = os.path.join(root, fmt.BLOCK_DIR)
+    if os.path.isdir(blocks):
+        for name in os.listdir(blocks):
+            if fmt.TMP_MARK in name or f"{fmt.BLOCK_DIR}/{name}" not in known:
+                os.unlink(os.path.join(blocks, name))
+
+
+def _check_output(root: str) -> None:
+    allowed = {fmt.MANIFEST_NAME, fmt.TOKENIZER_NAME, fmt.BLOCK_DIR, ".lock"}
+    strangers = [n for n in os.listdir(root) if n not in allowed and fmt.TMP_MARK not in n]
+    if strangers:
+        raise BuildError(f"output {root!r} is not empty and is not a torchcache cache "
+                         f"(it holds {strangers[:5]}); choose a new or empty directory")
+
+
+def _spec_diff(old: dict, new: dict) -> list[str]:
+    return sorted(k for k in set(old) | set(new) if old.get(k) != new.get(k))
+
+
+def build_cache(inputs: Any, output: str | os.PathLike, tokenizer: TokenizerLike, *,
+                text_key: str = "text", block_tokens: int = 2 ** 24, num_workers: int | None = None,
+                on_error: str = "raise", background: bool = False, executor: str = "local",
+                eos: int | str | None = "auto", bos: int | str | None = None,
+                special_tokens_as_text: bool = True, progress: bool | None = None,
+                storage_options: dict[str, Any] | None = None) -> "BuildResult | BuildHandle":
+    """Tokenize `inputs` into a cache at `output`; see the README for every option.
+
+    Re-running a finished build with the same arguments is a cheap no-op; an interrupted build
+    (even by kill -9) resumes where it stopped and ends with exactly the cache an uninterrupted
+    build would have made. `background=True` returns a BuildHandle at once so training can read
+    the committed prefix while the build goes on.
+    """
+    if on_error not in ("raise", "skip"):
+        raise ValueError(f"on_error must be 'raise' or 'skip', not {on_error!r}")
+    if not isinstance(block_tokens, int) or block_tokens < 1:
+        raise ValueError(f"block_tokens must be a positive int, not {block_tokens!r}")
+    if executor != "local":
+        raise ValueError(f"executor={executor!r} is not available; use executor='local'")
+    if num_workers is not None and num_workers < 0:
+        raise ValueError(f"num_workers must be >= 0, not {num_workers}")
+    kwargs = dict(text_key=text_key, block_tokens=block_tokens, num_workers=num_workers,
+                  on_error=on_error, eos=eos, bos=bos, special_tokens_as_text=special_tokens_as_text,
+                  storage_options=storage_options)
+    if background:
+        from .handle import BuildHandle
+        return BuildHandle.start(inputs, output, tokenizer, kwargs)
+    return _build(inputs, output, tokenizer, progress=True if progress is None else progress, **kwargs)
+
+
+def _build(inputs: Any, output: str | os.PathLike, tokenizer: TokenizerLike, *, text_key: str,
+           block_tokens: int, num_workers: int | None, on_error: str, eos, bos,
+           special_tokens_as_text: bool, storage_options: dict[str, Any] | None,
+           progress: bool = False, report: Callable[[dict], None] | None = None,
+           should_stop: Callable[[], bool] | None = None) -> BuildResult:
+    started = time.perf_counter()
+    root = _local_output(output)
+    tok = load_tokenizer(tokenizer)
+    resolved = resolve_inputs(inputs, storage_options)
+    sources = resolved if isinstance(resolved, list) else None
+    vocab_size = tok.get_vocab_size(with_added_tokens=True)
+    dtype = fmt.token_dtype(vocab_size)
+    spec = {
+        "tokenizer": {"fingerprint": tokenizer_fingerprint(tok), "vocab_size": vocab_size},
+        "dtype": fmt.dtype_name(dtype),
+        "bos_id": special_token_id(tok, bos, "bos"),
+        "eos_id": special_token_id(tok, eos, "eos"),
+        "special_tokens_as_text": special_tokens_as_text,
+        "text_key": text_key,
+        "block_tokens": block_tokens,
+        "inputs": [s.spec() for s in sources] if sources else [{"path": ITERABLE_PATH, "size": None}],
+    }
+    os.makedirs(root, exist_ok=True)
+    lock = _lock(root)
+    try:
+        existing = None
+        if os.path.exists(os.path.join(root, fmt.MANIFEST_NAME)):
+            existing = fmt.read_manifest(root)
+            if existing["spec"] != spec:
+                raise BuildError(
+                    f"{root!r} holds a cache built with other settings (differs in: "
+                    f"{', '.join(_spec_diff(existing['spec'], spec))}); refusing to mix them. Use a "
+                    "new output directory, or delete this one to rebuild")
+        else:
+            _check_output(root)
+        _clean(root, existing)
+        state = _Manifest(root, spec, existing)
+        if existing is None:
+            _write_tokenizer(root, tok)
+            state.save()
+        elif existing["complete"]:
+            return _result(root, existing, started, 0)
+        job = _Job(root, canonical_json(tok), spec["bos_id"], spec["eos_id"], str(dtype), text_key,
+                   block_tokens, on_error, special_tokens_as_text, dict(storage_options or {}))
+        todo = [i for i, p in enumerate(state.progress) if not p["done"]]
+        bar = _ProgressBar(spec["inputs"], state, enabled=progress)
+        try:
+            workers = min(len(todo), (os.cpu_count() or 1) if num_workers is None else num_workers)
+            if sources is None or workers <= 1 or any(s.process_local for s in sources):
+                built = _run_inline(job, sources or [resolved], todo, state, bar, report, should_stop)
+            else:
+                built = _run_pool(job, sources, todo, state, workers, bar, report, should_stop)
+        finally:
+            bar.close()
+        return _result(root, state.document(), started, built)
+    finally:
+        os.close(lock)
+
+
+def _local_output(output: str | os.PathLike) -> str:
+    out = os.fspath(output)
+    if out.startswith("file://"):
+        out = out[len("file://"):]
+    elif "://" in out:
+        raise ValueError(f"output {out!r}: only local output directories are supported for now")
+    return os.path.abspath(out)
+
+
+def _write_tokenizer(root: str, tok) -> None:
+    path = os.path.join(root, fmt.TOKENIZER_NAME)
+    tmp = path + fmt.TMP_MARK + str(os.getpid())
+    with open(tmp, "w", encoding="utf-8") as f:
+        f.write(tok.to_str())
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def _result(root: str, manifest: dict, started: float, built: int) -> BuildResult:
+    return BuildResult(root, manifest["num_tokens"], manifest["num_documents"],
+                       len(manifest["blocks"]), dict(manifest["skipped"]), manifest["fingerprint"],
+                       time.perf_counter() - started, built)
+
+
+def _apply(event: tuple, state: _Manifest, bar: "_ProgressBar") -> bool:
+    """Apply one worker event; True when the manifest changed and must be saved."""
+    kind, index = event[0], event[1]
+    if kind == "block":
+        state.add_block(index, event[2], event[3])
+        return True
+    if kind == "done":
+        state.finish_input(index, event[2])
+        return True
+    if kind == "progress":
+        bar.update(index, event[2], event[3])
+        return False
+    if kind == "error":
+        if event[2] == "input":
+            raise InputError(event[3])
+        raise BuildError(f"building input {state.spec['inputs'][index]['path']} failed: {event[3]}")
+    raise AssertionError(f"unknown event {kind}")
+
+
+def _run_inline(job, sources, todo, state, bar, report, should_stop) -> int:
+    built = 0
+    for index in todo:
+        for event in build_input(job, index, sources[index], state.progress[index]):
+            if _apply(event, state, bar):
+                _save(state, report)
+            if event[0] == "progress":
+                built += event[3]
+            if should_stop and should_stop():
+                raise BuildError("build cancelled; committed blocks are kept and a re-run resumes")
+    return built
+
+
+def _save(state: _Manifest, report) -> None:
+    doc = state.save()
+    if report:
+        report({"committed_blocks": len(doc["blocks"]), "committed_tokens": doc["num_tokens"],
+                "committed_documents": doc["num_documents"], "complete": doc["complete"],
+                "inputs_done": sum(p["done"] for p in state.progress), "inputs": len(state.progress)})
+
+
+def _run_pool(job, sources, todo, state, workers, bar, report, should_stop) -> int:
+    import multiprocessing as mp
+    ctx = mp.get_context("spawn")
+    tasks, events = ctx.Queue(), ctx.Queue()
+    for index in todo:
+        tasks.put(index)
+    for _ in range(workers):
+        tasks.put(None)
+    starts = {i: state.progress[i] for i in todo}
+    procs = [ctx.Process(target=_worker_main, args=(job, sources, starts, tasks, events), daemon=True)
+             for _ in range(workers)]
+    for p in procs:
+        p.start()
+    remaining, built = set(todo), 0
+    try:
+        while remaining:
+            try:
+                batch = [events.get(timeout=0.5)]
+            except queue_module.Empty:
+                dead = [p for p in procs if p.exitcode not in (None, 0)]
+                if dead:
+                    raise BuildError(f"a build worker died (exit code {dead[0].exitcode}); committed "
+                                     "blocks are kept and a re-run resumes")
+                if all(p.exitcode == 0 for p in procs):
+                    raise BuildError(f"build workers stopped before finishing inputs {sorted(remaining)}")
+                if should_stop and should_stop():
+                    raise BuildError("build cancelled; committed blocks are kept and a re-run resumes")
+                continue
+            while True:
+                try:
+                    batch.append(events.get_nowait())
+                except queue_module.Empty:
+                    break
+            changed = False
+            try:
+                for event in batch:
+                    changed |= _apply(event, state, bar)
+                    if event[0] == "progress":
+                        built += event[3]
+                    if event[0] == "done":
+                        remaining.discard(event[1])
+            finally:
+                if changed:
+                    _save(state, report)
+            if should_stop and should_stop():
+                raise BuildError("build cancelled; committed blocks are kept and a re-run resumes")
+    finally:
+        for p in procs:
+            if p.is_alive():
+                p.kill()
+        for p in procs:
+            p.join()
+        events.close()
+        tasks.close()
+    return built
+
+
+class _ProgressBar:
+    """tqdm over input bytes, with tokens/s; a no-op when disabled."""
+
+    def __init__(self, inputs: list[dict], state: _Manifest, enabled: bool):
+        self.bar = None
+        self.positions: dict[int, int] = {}
+        self.tokens = 0
+        self.started = time.perf_counter()
+        if not enabled:
+            return
+        from tqdm.auto import tqdm
+        total = sum(i["size"] or 0 for i in inputs) or None
+        done = sum(i["size"] or 0 for i, p in zip(inputs, state.progress) if p["done"])
+        self.bar = tqdm(total=total, initial=done, unit="B", unit_scale=True, desc="tokenizing",
+                        dynamic_ncols=True)
+
+    def update(self, index: int, position: int, tokens: int) -> None:
+        self.tokens += tokens
+        if self.bar is None:
+            return
+        delta = position - self.positions.get(index, 0)
+        self.positions[index] = position
+        elapsed = max(time.perf_counter() - self.started, 1e-9)
+        self.bar.set_postfix_str(f"{self.tokens / elapsed / 1e6:.2f}M tok/s", refresh=False)
+        self.bar.update(max(delta, 0))
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.close()

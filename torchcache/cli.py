@@ -1,0 +1,150 @@
+"""The `torchcache` command line: build, info, verify, show."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from typing import Sequence
+
+import numpy as np
+
+
+def _build(args: argparse.Namespace) -> int:
+    from .build import build_cache
+    result = build_cache(args.inputs, args.output, args.tokenizer, text_key=args.text_key,
+                         block_tokens=args.block_tokens, num_workers=args.workers,
+                         on_error=args.on_error, eos=_token_arg(args.eos), bos=_token_arg(args.bos),
+                         special_tokens_as_text=not args.keep_special_tokens, progress=True)
+    skipped = ", ".join(f"{k} {v}" for k, v in sorted(result.skipped.items())) or "none"
+    print(f"{result.path}: {result.num_tokens:,} tokens, {result.num_documents:,} documents, "
+          f"{result.num_blocks} blocks; skipped: {skipped}")
+    if result.tokens_built:
+        print(f"tokenized {result.tokens_built:,} tokens in {result.seconds:.1f} s "
+              f"({result.tokens_per_second / 1e6:.2f}M tokens/s)")
+    else:
+        print("already complete: nothing to do")
+    return 0
+
+
+def _token_arg(value: str | None):
+    if value is None or value.lower() == "none":
+        return None
+    return int(value) if value.isdigit() else value
+
+
+def _info(args: argparse.Namespace) -> int:
+    from .read import TokenCache
+    cache = TokenCache(args.cache)
+    lengths = cache.document_lengths()
+    info = {
+        "path": cache.root, "complete": cache.complete, "fingerprint": cache.fingerprint,
+        "tokens": cache.num_tokens, "documents": cache.num_documents, "blocks": cache.num_blocks,
+        "document_tokens": ({f"p{q}": int(np.percentile(lengths, q)) for q in (0, 10, 50, 90, 99, 100)}
+                            | {"mean": round(float(lengths.mean()), 1)}) if len(lengths) else {},
+        "skipped": cache.skipped,
+        "spec": {k: v for k, v in cache.spec.items() if k != "inputs"},
+        "inputs": len(cache.spec["inputs"]),
+    }
+    if args.json:
+        print(json.dumps(info, indent=1))
+        return 0
+    print(f"{info['path']}  ({'complete' if cache.complete else 'still building'})")
+    print(f"  tokens     {cache.num_tokens:,}")
+    print(f"  documents  {cache.num_documents:,}")
+    print(f"  blocks     {cache.num_blocks}")
+    if info["document_tokens"]:
+        pct = "  ".join(f"{k}={v:,}" for k, v in info["document_tokens"].items())
+        print(f"  doc length {pct}")
+    print(f"  skipped    {info['skipped'] or 'none'}")
+    spec = cache.spec
+    print(f"  tokenizer  {spec['tokenizer']['fingerprint'][:23]}  vocab {spec['tokenizer']['vocab_size']:,}"
+          f"  dtype {spec['dtype']}  bos {spec['bos_id']}  eos {spec['eos_id']}")
+    print(f"  inputs     {len(spec['inputs'])} (text key {spec['text_key']!r})")
+    print(f"  fingerprint {cache.fingerprint}")
+    return 0
+
+
+def _verify(args: argparse.Namespace) -> int:
+    from .read import verify_cache
+    problems = verify_cache(args.cache)
+    for p in problems:
+        print(f"BAD {p}", file=sys.stderr)
+    if problems:
+        print(f"{len(problems)} bad file(s) in {args.cache}", file=sys.stderr)
+        return 1
+    print(f"{args.cache}: all checksums match")
+    return 0
+
+
+def _show(args: argparse.Namespace) -> int:
+    from .read import TokenCache
+    cache = TokenCache(args.cache)
+    if args.tokens:
+        start, _, stop = args.tokens.partition(":")
+        ids = cache.read(int(start), int(stop)).astype(np.int64)
+    else:
+        ids = cache.document(args.document)
+    if args.ids:
+        print(" ".join(map(str, ids.tolist())))
+    else:
+        sys.stdout.write(cache.decode(ids))
+        sys.stdout.write("\n")
+    return 0
+
+
+def make_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="torchcache", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    b = sub.add_parser("build", help="tokenize inputs into a cache (resumes an interrupted build)")
+    b.add_argument("inputs", nargs="+", help="input files, globs or directories (fsspec URLs)")
+    b.add_argument("-o", "--output", required=True, help="cache directory")
+    b.add_argument("-t", "--tokenizer", required=True, help="tokenizer.json path")
+    b.add_argument("--text-key", default="text", help="JSON field holding the text (default: text)")
+    b.add_argument("--block-tokens", type=int, default=2 ** 24, help="target tokens per block")
+    b.add_argument("-j", "--workers", type=int, default=None, help="worker processes (default: all cores)")
+    b.add_argument("--on-error", choices=("raise", "skip"), default="raise",
+                   help="stop at a malformed record (default) or skip and count it")
+    b.add_argument("--eos", default="auto", help="EOS token id or string appended to each document, "
+                                                  "'auto' (default) or 'none'")
+    b.add_argument("--bos", default=None, help="BOS token id or string prepended to each document")
+    b.add_argument("--keep-special-tokens", action="store_true",
+                   help="let special-token strings inside documents become special tokens")
+    b.set_defaults(func=_build)
+
+    i = sub.add_parser("info", help="summarise a cache")
+    i.add_argument("cache")
+    i.add_argument("--json", action="store_true", help="print JSON")
+    i.set_defaults(func=_info)
+
+    v = sub.add_parser("verify", help="recompute all checksums; non-zero exit on any bad file")
+    v.add_argument("cache")
+    v.set_defaults(func=_verify)
+
+    s = sub.add_parser("show", help="decode a document or a token range")
+    s.add_argument("cache")
+    what = s.add_mutually_exclusive_group(required=True)
+    what.add_argument("-d", "--document", type=int, help="document index")
+    what.add_argument("--tokens", help="global token range START:STOP")
+    s.add_argument("--ids", action="store_true", help="print token ids instead of text")
+    s.set_defaults(func=_show)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = make_parser()
+    args = parser.parse_args(argv)
+    try:
+        return args.func(args)
+    except (ValueError, FileNotFoundError, RuntimeError, IndexError, TypeError, ImportError) as e:
+        print(f"torchcache {args.command}: error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("interrupted; committed work is kept and re-running the same command resumes",
+              file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

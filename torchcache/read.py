@@ -1,0 +1,309 @@
+"""TokenCache: read a cache's token stream and documents with pread, never loading it into RAM."""
+
+from __future__ import annotations
+
+import os
+from collections import OrderedDict
+from typing import Any
+
+import numpy as np
+
+from . import format as fmt
+
+_MAX_OPEN_FILES = 64
+_MAX_CACHED_OFFSETS = 64
+
+
+class _Block:
+    """An open block file: its descriptor and where its tokens start."""
+
+    __slots__ = ("fd", "data_start", "length")
+
+    def __init__(self, fd: int, data_start: int, length: int):
+        self.fd, self.data_start, self.length = fd, data_start, length
+
+
+class TokenCache:
+    """A built (or still building) cache: its global token stream and its documents.
+
+    The global token stream is the blocks' tokens in manifest order. Block files are opened
+    lazily in each process and read with pread, so nothing is copied into RAM beyond what is
+    asked for; pickling a TokenCache (for DataLoader workers) sends only the path and a few small
+    arrays. `refresh()` picks up blocks committed since it was opened.
+    """
+
+    def __init__(self, path: str | os.PathLike, *, verify_checksums: bool = False):
+        root = os.fspath(path)
+        if root.startswith("file://"):
+            root = root[len("file://"):]
+        elif "://" in root:
+            raise ValueError(f"{root!r}: only local caches can be read for now")
+        self.root = os.path.abspath(root)
+        self.verify_checksums = verify_checksums
+        self._files: OrderedDict[int, _Block] = OrderedDict()
+        self._offsets: OrderedDict[int, np.ndarray] = OrderedDict()
+        self._pid = os.getpid()
+        self._load(fmt.read_manifest(self.root))
+
+    # ------------------------------------------------------------ manifest
+    def _load(self, manifest: dict[str, Any]) -> None:
+        self.spec: dict[str, Any] = manifest["spec"]
+        self.complete: bool = bool(manifest["complete"])
+        self.fingerprint: str = manifest["fingerprint"]
+        self.skipped: dict[str, int] = dict(manifest.get("skipped", {}))
+        blocks = manifest["blocks"]
+        self._paths = [(b["path"], b["offsets"]) for b in blocks]
+        self._checksums = [(b["checksum"], b["offsets_checksum"]) for b in blocks]
+        for path, offsets in self._paths:
+            fmt.safe_join(self.root, path)
+            fmt.safe_join(self.root, offsets)
+        self._token_starts = np.zeros(len(blocks) + 1, dtype=np.int64)
+        np.cumsum([b["num_tokens"] for b in blocks], out=self._token_starts[1:])
+        self._doc_starts = np.zeros(len(blocks) + 1, dtype=np.int64)
+        np.cumsum([b["num_documents"] for b in blocks], out=self._doc_starts[1:])
+        self.dtype = fmt._DTYPES[self.spec["dtype"]]
+
+    def refresh(self) -> bool:
+        """Re-read the manifest; True if new blocks were committed since the last look."""
+        manifest = fmt.read_manifest(self.root)
+        if manifest["fingerprint"] != self.fingerprint:
+            raise fmt.CacheFormatError(f"{self.root}: the cache was replaced by a different one "
+                                       "while it was open; reopen it")
+        known = len(self._paths)
+        new_paths = [(b["path"], b["offsets"]) for b in manifest["blocks"][:known]]
+        if new_paths != self._paths:
+            raise fmt.CacheFormatError(f"{self.root}: committed blocks changed under the reader; "
+                                       "the cache was rebuilt while open; reopen it")
+        grew = len(manifest["blocks"]) > known or manifest["complete"] != self.complete
+        self._load(manifest)
+        return grew
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self._token_starts[-1])
+
+    @property
+    def num_documents(self) -> int:
+        return int(self._doc_starts[-1])
+
+    @property
+    def num_blocks(self) -> int:
+        return len(self._paths)
+
+    @property
+    def vocab_size(self) -> int:
+        return int(self.spec["tokenizer"]["vocab_size"])
+
+    @property
+    def eos_id(self) -> int | None:
+        return self.spec["eos_id"]
+
+    @property
+    def bos_id(self) -> int | None:
+        return self.spec["bos_id"]
+
+    def block_token_starts(self) -> np.ndarray:
+        """Global token offset where each block starts, plus the total at the end."""
+        return self._token_starts
+
+    def __repr__(self) -> str:
+        state = "complete" if self.complete else "building"
+        return (f"TokenCache({self.root!r}, {self.num_tokens:,} tokens, {self.num_documents:,} "
+                f"documents, {self.num_blocks} blocks, {state})")
+
+    # ------------------------------------------------------------ pickling: paths and small arrays only
+    def __getstate__(self) -> dict[str, Any]:
+        state = self.__dict__.copy()
+        state["_files"] = OrderedDict()
+        state["_offsets"] = OrderedDict()
+        return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+        self._pid = os.getpid()
+
+    def close(self) -> None:
+        for block in self._files.values():
+            os.close(block.fd)
+        self._files.clear()
+
+    def __del__(self) -> None:
+        try:
+            if getattr(self, "_pid", None) == os.getpid():
+                self.close()
+        except Exception:
+            pass
+
+    # ------------------------------------------------------------ block access
+    def _block(self, b: int) -> _Block:
+        if self._pid != os.getpid():  # forked: the parent's descriptors are shared, start afresh
+            self._files, self._offsets, self._pid = OrderedDict(), OrderedDict(), os.getpid()
+        block = self._files.get(b)
+        if block is not None:
+            self._files.move_to_end(b)
+            return block
+        block = self._open_block(b)
+        self._files[b] = block
+        if len(self._files) > _MAX_OPEN_FILES:
+            _, old = self._files.popitem(last=False)
+            os.close(old.fd)
+        return block
+
+    def _open_block(self, b: int) -> _Block:
+        path = fmt.safe_join(self.root, self._paths[b][0])
+        if self.verify_checksums:
+            self._verify_file(path, self._checksums[b][0])
+        try:
+            fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+        except FileNotFoundError:
+            raise fmt.CacheFormatError(f"{path}: block file is missing; run `torchcache verify "
+                                       f"{self.root}`") from None
+        try:
+            with os.fdopen(os.dup(fd), "rb") as f:
+                header = fmt.read_tensor_header(f, path, "tokens", os.fstat(fd).st_size)
+            expected = int(self._token_starts[b + 1] - self._token_starts[b])
+            if header.length != expected or header.dtype != self.dtype:
+                raise fmt.CacheFormatError(
+                    f"{path}: holds {header.length} {header.dtype} tokens, the manifest says "
+                    f"{expected} {self.dtype}; the block is corrupted or from another cache")
+        except BaseException:
+            os.close(fd)
+            raise
+        return _Block(fd, header.data_start, header.length)
+
+    @staticmethod
+    def _verify_file(path: str, checksum: str) -> None:
+        try:
+            actual = fmt.file_checksum(path)
+        except FileNotFoundError:
+            raise fmt.CacheFormatError(f"{path}: file is missing") from None
+        if actual != checksum:
+            raise fmt.CacheFormatError(f"{path}: checksum mismatch (the file is corrupted); "
+                                       "rebuild the cache")
+
+    def block_offsets(self, b: int) -> np.ndarray:
+        """Cumulative document offsets of block b (n_docs + 1 int64, local to the block)."""
+        cached = self._offsets.get(b)
+        if cached is not None:
+            self._offsets.move_to_end(b)
+            return cached
+        path = fmt.safe_join(self.root, self._paths[b][1])
+        if self.verify_checksums:
+            self._verify_file(path, self._checksums[b][1])
+        try:
+            offsets = fmt.read_tensor_file(path, "offsets")
+        except FileNotFoundError:
+            raise fmt.CacheFormatError(f"{path}: offsets file is missing") from None
+        n_docs = int(self._doc_starts[b + 1] - self._doc_starts[b])
+        n_tokens = int(self._token_starts[b + 1] - self._token_starts[b])
+        if len(offsets) != n_docs + 1 or offsets[0] != 0 or offsets[-1] != n_tokens:
+            raise fmt.CacheFormatError(f"{path}: offsets do not match the manifest (corrupted)")
+        self._offsets[b] = offsets
+        if len(self._offsets) > _MAX_CACHED_OFFSETS:
+            self._offsets.popitem(last=False)
+        return offsets
+
+    # ------------------------------------------------------------ reading
+    def read(self, start: int, stop: int, out: np.ndarray | None = None) -> np.ndarray:
+        """Tokens [start, stop) of the global stream (crossing blocks), in the cache's dtype."""
+        start, stop = int(start), int(stop)
+        if not 0 <= start <= stop <= self.num_tokens:
+            raise IndexError(f"token range [{start}, {stop}) outside [0, {self.num_tokens})")
+        if out is None:
+            out = np.empty(stop - start, dtype=self.dtype)
+        b = int(np.searchsorted(self._token_starts, start, side="right")) - 1
+        pos = start
+        view = memoryview(out.view(np.uint8))
+        item = self.dtype.itemsize
+        while pos < stop:
+            block = self._block(b)
+            local = pos - int(self._token_starts[b])
+            count = min(stop, int(self._token_starts[b + 1])) - pos
+            dest = view[(pos - start) * item:(pos - start + count) * item]
+            got = os.preadv(block.fd, [dest], block.data_start + local * item)
+            if got != count * item:
+                self._read_fully(block, dest, got, block.data_start + local * item, b)
+            pos += count
+            b += 1
+        return out
+
+    def _read_fully(self, block: _Block, dest: memoryview, got: int, offset: int, b: int) -> None:
+        while got < len(dest):
+            n = os.preadv(block.fd, [dest[got:]], offset + got)
+            if n == 0:
+                raise fmt.CacheFormatError(f"{self._paths[b][0]}: unexpected end of block file "
+                                           "(truncated?); run `torchcache verify`")
+            got += n
+
+    def _check_document(self, i: int) -> int:
+        i = int(i)
+        if i < 0:
+            i += self.num_documents
+        if not 0 <= i < self.num_documents:
+            raise IndexError(f"document {i} outside [0, {self.num_documents})")
+        return i
+
+    def document_span(self, i: int) -> tuple[int, int]:
+        """Global token range [start, stop) of document i."""
+        i = self._check_document(i)
+        b = int(np.searchsorted(self._doc_starts, i, side="right")) - 1
+        offsets = self.block_offsets(b)
+        local = i - int(self._doc_starts[b])
+        base = int(self._token_starts[b])
+        return base + int(offsets[local]), base + int(offsets[local + 1])
+
+    def document(self, i: int) -> np.ndarray:
+        """The i-th document in stream order, as stored (with its BOS/EOS), as int64."""
+        start, stop = self.document_span(i)
+        return self.read(start, stop).astype(np.int64)
+
+    def document_starts_in(self, start: int, stop: int) -> np.ndarray:
+        """Global token positions in (start, stop) where a document begins (int64, sorted)."""
+        found = []
+        b = int(np.searchsorted(self._token_starts, start, side="right")) - 1
+        while b < self.num_blocks and self._token_starts[b] < stop:
+            base = int(self._token_starts[b])
+            offsets = self.block_offsets(b)[:-1] + base
+            lo = np.searchsorted(offsets, start, side="right")
+            hi = np.searchsorted(offsets, stop, side="left")
+            found.append(offsets[lo:hi])
+            b += 1
+        return np.concatenate(found) if found else np.empty(0, dtype=np.int64)
+
+    def document_lengths(self) -> np.ndarray:
+        """Length in tokens of every document (reads all offset sidecars; for stats)."""
+        parts = [np.diff(self.block_offsets(b)) for b in range(self.num_blocks)]
+        return np.concatenate(parts) if parts else np.empty(0, dtype=np.int64)
+
+    # ------------------------------------------------------------ tokenizer
+    def tokenizer(self):
+        """The tokenizer the cache was built with (stored in the cache directory)."""
+        from tokenizers import Tokenizer
+        return Tokenizer.from_file(os.path.join(self.root, fmt.TOKENIZER_NAME))
+
+    def decode(self, ids, skip_special_tokens: bool = False) -> str:
+        return self.tokenizer().decode([int(x) for x in ids], skip_special_tokens=skip_special_tokens)
+
+
+def verify_cache(path: str | os.PathLike) -> list[str]:
+    """Recompute every checksum and header check; return one message per bad file (empty = ok)."""
+    cache = TokenCache(path)
+    problems = []
+    manifest = fmt.read_manifest(cache.root)
+    for b, entry in enumerate(manifest["blocks"] + manifest.get("pending", [])):
+        for rel, checksum in ((entry["path"], entry["checksum"]),
+                              (entry["offsets"], entry["offsets_checksum"])):
+            full = fmt.safe_join(cache.root, rel)
+            try:
+                TokenCache._verify_file(full, checksum)
+            except fmt.CacheFormatError as e:
+                problems.append(str(e))
+    for b in range(cache.num_blocks):
+        try:
+            cache._block(b)
+            cache.block_offsets(b)
+        except fmt.CacheFormatError as e:
+            if str(e) not in problems and not any(p.split(":")[0] == str(e).split(":")[0] for p in problems):
+                problems.append(str(e))
+    cache.close()
+    return problems
