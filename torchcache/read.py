@@ -227,6 +227,45 @@ class TokenCache:
             b += 1
         return out
 
+    def read_many(self, starts: np.ndarray, length: int, out: np.ndarray | None = None) -> np.ndarray:
+        """Rows ``out[i]`` = tokens ``[starts[i], starts[i] + length)``: many equal reads in one call.
+
+        The same as calling :meth:`read` per row, with the block lookup vectorised and one pread
+        per row that lies inside one block (a row crossing blocks goes through :meth:`read`).
+        """
+        starts = np.asarray(starts, dtype=np.int64).reshape(-1)
+        length = int(length)
+        if out is None:
+            out = np.empty((len(starts), length), dtype=self.dtype)
+        elif (out.shape != (len(starts), length) or out.dtype != self.dtype
+              or not out.flags.c_contiguous):
+            raise ValueError(f"out must be a C-contiguous {self.dtype} array of shape "
+                             f"({len(starts)}, {length})")
+        if starts.size == 0:
+            return out
+        if length < 0 or starts.min() < 0 or int(starts.max()) + length > self.num_tokens:
+            bad = starts[(starts < 0) | (starts + length > self.num_tokens)]
+            first = int(bad[0]) if bad.size else int(starts[0])
+            raise IndexError(f"token range [{first}, {first + length}) outside [0, {self.num_tokens})")
+        item = self.dtype.itemsize
+        nbytes = length * item
+        blocks = np.searchsorted(self._token_starts, starts, side="right") - 1
+        inside = starts + length <= self._token_starts[blocks + 1]
+        offsets = (starts - self._token_starts[blocks]) * item
+        flat = memoryview(out.reshape(-1).view(np.uint8))
+        for row, (b, offset, simple) in enumerate(zip(blocks.tolist(), offsets.tolist(),
+                                                      inside.tolist())):
+            if not simple:
+                start = int(starts[row])
+                self.read(start, start + length, out=out[row])
+                continue
+            block = self._block(b)
+            dest = flat[row * nbytes:(row + 1) * nbytes]
+            got = os.preadv(block.fd, [dest], block.data_start + offset)
+            if got != nbytes:
+                self._read_fully(block, dest, got, block.data_start + offset, b)
+        return out
+
     def _read_fully(self, block: _Block, dest: memoryview, got: int, offset: int, b: int) -> None:
         while got < len(dest):
             n = os.preadv(block.fd, [dest[got:]], offset + got)
@@ -251,6 +290,15 @@ class TokenCache:
         local = i - int(self._doc_starts[b])
         base = int(self._token_starts[b])
         return base + int(offsets[local]), base + int(offsets[local + 1])
+
+    def document_at(self, token: int) -> int:
+        """Index of the document containing global token position `token`."""
+        if not 0 <= token < self.num_tokens:
+            raise IndexError(f"token {token} outside [0, {self.num_tokens})")
+        b = int(np.searchsorted(self._token_starts, token, side="right")) - 1
+        local = int(np.searchsorted(self.block_offsets(b), token - int(self._token_starts[b]),
+                                    side="right")) - 1
+        return int(self._doc_starts[b]) + local
 
     def document(self, i: int) -> np.ndarray:
         """The i-th document in stream order, as stored (with its BOS/EOS), as int64."""

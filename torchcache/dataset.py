@@ -1,0 +1,167 @@
+"""Map-style datasets over a cache: fixed-length token windows, and whole documents."""
+
+from __future__ import annotations
+
+import os
+from typing import Sequence
+
+import numpy as np
+import torch
+from torch.utils.data import Dataset
+
+from .read import TokenCache
+
+def _open(cache: TokenCache | str | os.PathLike) -> TokenCache:
+    return cache if isinstance(cache, TokenCache) else TokenCache(cache)
+
+
+class _GrowingDataset(Dataset):
+    """Shared behaviour for datasets over a cache that may still be growing."""
+
+    cache: TokenCache
+
+    @property
+    def complete(self) -> bool:
+        """True once the cache's build has finished (the length will not change any more)."""
+        return self.cache.complete
+
+    def refresh(self) -> int:
+        """Pick up newly committed blocks; return the new length."""
+        self.cache.refresh()
+        return len(self)
+
+    def _check(self, indices: Sequence[int]) -> np.ndarray:
+        idx = np.asarray(indices, dtype=np.int64).reshape(-1)
+        n = len(self)
+        if idx.size and (idx.max() >= n or idx.min() < -n):
+            if idx.max() >= n and not self.cache.complete:
+                self.cache.refresh()  # a worker's copy may lag the sampler's view of a growing cache
+                n = len(self)
+            bad = idx[(idx >= n) | (idx < -n)]
+            if bad.size:
+                raise IndexError(f"index {int(bad[0])} out of range for {type(self).__name__} of "
+                                 f"length {n}")
+        return np.where(idx < 0, idx + n, idx)
+
+
+class TokenDataset(_GrowingDataset):
+    """Fixed-length training samples cut from the cache's global token stream.
+
+    Sample s is the window of seq_len + 1 tokens starting at s * seq_len (consecutive windows
+    overlap by one token, so every token is a target exactly once); windows cross document and
+    block boundaries. `ds[i]` is {"input_ids": LongTensor[seq_len], "labels": LongTensor[seq_len]}
+    with labels the next tokens, or equal to input_ids when `labels="same"` (for models that
+    shift inside, like Hugging Face's). `document_boundaries=True` adds, computed from the
+    stored offsets: `position_ids` restarting at 0 at each document, and `cu_seqlens`
+    (int32[max_segments + 1], cumulative lengths of the document pieces inside the sample, padded
+    with seq_len) with `num_segments` giving how many entries are valid, for variable-length
+    attention. `len()` follows the committed cache; call `refresh()` to pick up new blocks.
+    """
+
+    def __init__(self, cache: TokenCache | str | os.PathLike, seq_len: int, *,
+                 labels: str = "shifted", document_boundaries: bool = False,
+                 max_segments: int | None = None):
+        if not isinstance(seq_len, int) or seq_len < 1:
+            raise ValueError(f"seq_len must be a positive int, not {seq_len!r}")
+        if labels not in ("shifted", "same"):
+            raise ValueError(f"labels must be 'shifted' (next tokens) or 'same' (equal to "
+                             f"input_ids), not {labels!r}")
+        if max_segments is not None and not 1 <= max_segments <= seq_len:
+            raise ValueError(f"max_segments must be in [1, seq_len], not {max_segments}")
+        self.cache = _open(cache)
+        self.seq_len = seq_len
+        self.labels = labels
+        self.document_boundaries = document_boundaries
+        self.max_segments = max_segments or seq_len
+
+    @property
+    def fingerprint(self) -> str:
+        """Identity of the sample stream: the cache's fingerprint and the window length."""
+        return f"{self.cache.fingerprint}/seq{self.seq_len}"
+
+    def __len__(self) -> int:
+        return max(0, (self.cache.num_tokens - 1) // self.seq_len)
+
+    def __repr__(self) -> str:
+        return f"TokenDataset({self.cache!r}, seq_len={self.seq_len}, {len(self):,} samples)"
+
+    def read_windows(self, indices: Sequence[int]) -> np.ndarray:
+        """Token windows (len(indices), seq_len + 1) in the cache's dtype, read in one call."""
+        idx = self._check(indices)
+        return self.cache.read_many(idx * self.seq_len, self.seq_len + 1)
+
+    def __getitem__(self, index: int) -> dict[str, torch.Tensor]:
+        return self.__getitems__([index])[0]
+
+    def __getitems__(self, indices: Sequence[int]) -> list[dict[str, torch.Tensor]]:
+        """Samples ``indices`` as a list of dicts (what torch's fetcher passes to ``collate_fn``).
+
+        Their tensors are rows of :meth:`get_batch`'s, so a batch is read in one call.
+        """
+        batch = self.get_batch(indices)
+        return [dict(zip(batch, row)) for row in zip(*batch.values())]
+
+    def get_batch(self, indices: Sequence[int]) -> dict[str, torch.Tensor]:
+        """Samples ``indices`` already batched: equal to ``default_collate(ds.__getitems__(indices))``.
+
+        All windows are read into one array and converted to int64 once per output, with no
+        per-sample Python work (unless ``document_boundaries``). :class:`torchcache.DataLoader`
+        uses it with ``prefetch_batches`` when no ``collate_fn`` is given.
+        """
+        idx = self._check(indices)
+        windows = self.cache.read_many(idx * self.seq_len, self.seq_len + 1)
+        input_ids = torch.from_numpy(windows[:, :-1].astype(np.int64))
+        labels = (torch.from_numpy(windows[:, 1:].astype(np.int64)) if self.labels == "shifted"
+                  else input_ids.clone())
+        batch = {"input_ids": input_ids, "labels": labels}
+        if self.document_boundaries:
+            position_ids = np.empty((len(idx), self.seq_len), dtype=np.int64)
+            cu_seqlens = np.empty((len(idx), self.max_segments + 1), dtype=np.int32)
+            num_segments = np.empty(len(idx), dtype=np.int64)
+            for row, s in enumerate(idx.tolist()):
+                position_ids[row], cu_seqlens[row], num_segments[row] = self._boundaries(s)
+            batch.update(position_ids=torch.from_numpy(position_ids),
+                         cu_seqlens=torch.from_numpy(cu_seqlens),
+                         num_segments=torch.from_numpy(num_segments))
+        return batch
+
+    def _boundaries(self, sample: int) -> tuple[np.ndarray, np.ndarray, int]:
+        """(position_ids, cu_seqlens, num_segments) of one sample."""
+        start = sample * self.seq_len
+        stop = start + self.seq_len
+        inside = self.cache.document_starts_in(start, stop)  # document starts in (start, stop)
+        first = self.cache.document_span(self.cache.document_at(start))[0]
+        starts = np.concatenate([[first], inside])
+        positions = np.arange(start, stop, dtype=np.int64)
+        position_ids = positions - starts[np.searchsorted(starts, positions, side="right") - 1]
+        cuts = np.concatenate([[0], inside - start, [self.seq_len]])
+        if len(cuts) - 1 > self.max_segments:
+            raise ValueError(f"sample {sample} holds {len(cuts) - 1} document pieces, more than "
+                             f"max_segments={self.max_segments}; raise max_segments")
+        cu = np.full(self.max_segments + 1, self.seq_len, dtype=np.int32)
+        cu[:len(cuts)] = cuts
+        return position_ids, cu, len(cuts) - 1
+
+
+class DocumentDataset(_GrowingDataset):
+    """One document per item, as stored (with its BOS/EOS), as a LongTensor."""
+
+    def __init__(self, cache: TokenCache | str | os.PathLike):
+        self.cache = _open(cache)
+
+    @property
+    def fingerprint(self) -> str:
+        return f"{self.cache.fingerprint}/documents"
+
+    def __len__(self) -> int:
+        return self.cache.num_documents
+
+    def __getitem__(self, index: int) -> torch.Tensor:
+        (i,) = self._check([index]).tolist()
+        return torch.from_numpy(self.cache.document(i))
+
+    def __getitems__(self, indices: Sequence[int]) -> list[torch.Tensor]:
+        return [torch.from_numpy(self.cache.document(i)) for i in self._check(indices).tolist()]
+
+    def __repr__(self) -> str:
+        return f"DocumentDataset({self.cache!r}, {len(self):,} documents)"

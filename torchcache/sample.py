@@ -1,0 +1,468 @@
+"""Distributed sampler over one continuous, keyed-permuted stream of sample positions.
+
+The whole data order is a pure function of ``(seed, n)``: global position ``p = 0, 1, 2, ...``
+(continuous across epochs) is in permutation epoch ``e = p // n`` and reads dataset index
+``perm_e(p % n)``, a fresh keyed permutation every epoch (see :mod:`torchcache._permutation`).
+Rank ``r`` of ``W`` takes positions ``P + r, P + r + W, ...`` from the start position ``P``, so a
+global step of ``G = W * b`` samples always covers ``[P + t*G, P + (t+1)*G)`` whatever ``W`` is.
+Ranks never talk to each other: each computes its own indices in O(1) memory, so resuming at
+position 10**12 costs the same as at 0.
+"""
+
+from __future__ import annotations
+
+import math
+import operator
+import time
+import warnings
+from collections import OrderedDict
+from collections.abc import Iterator, Mapping, Sized
+from typing import Any
+
+import numpy as np
+import torch
+from torch.utils.data import Sampler
+
+from torchcache._permutation import PERMUTATION_ALGORITHM, Permutation, derive_key
+
+__all__ = ["DistributedSampler"]
+
+SAMPLER_STATE_FORMAT = "torchcache.sampler"
+SAMPLER_STATE_VERSION = 1
+
+_CHUNK = 1024  # positions per rank mapped in one vectorised call while iterating
+_PERM_CACHE = 4  # Permutation objects kept (an iteration chunk spans at most a few epochs)
+
+
+def _int_arg(value: Any, name: str, minimum: int) -> int:
+    """``value`` as an int >= ``minimum``, or a TypeError/ValueError naming ``name``."""
+    if isinstance(value, (bool, np.bool_)):
+        raise TypeError(f"{name} must be an integer, got {value!r}")
+    try:
+        value = operator.index(value)
+    except TypeError:
+        raise TypeError(f"{name} must be an integer, got {type(value).__name__}") from None
+    if value < minimum:
+        raise ValueError(f"{name} must be >= {minimum}, got {value}")
+    return value
+
+
+def _distributed_defaults() -> tuple[int, int]:
+    """(rank, world_size) from torch.distributed when it is initialised, else (0, 1)."""
+    dist = torch.distributed
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank(), dist.get_world_size()
+    return 0, 1
+
+
+def _check_state(state: Any, expected: Mapping[str, Any], what: str, hint: str) -> None:
+    """Refuse ``state`` with one ValueError listing every field that differs from ``expected``.
+
+    ``expected`` maps field name -> required value; a ``None`` on either side of
+    ``"fingerprint"`` or ``"num_samples"`` (a cache still being built) means "unknown" and is
+    not compared. ``hint`` says what to do instead.
+    """
+    if not isinstance(state, Mapping):
+        raise TypeError(f"state must be a dict from {what}.state_dict(), got {type(state).__name__}")
+    problems = []
+    for key, want in expected.items():
+        if key not in state:
+            problems.append(f"{key!r} is missing")
+            continue
+        got = state[key]
+        if key in ("fingerprint", "num_samples") and (got is None or want is None):
+            continue
+        if got != want or type(got) is bool and type(want) is not bool:
+            problems.append(f"{key}: saved {got!r}, this {what} has {want!r}")
+    if problems:
+        raise ValueError(
+            f"cannot load this state into {what}: " + "; ".join(problems) + f". {hint}"
+        )
+
+
+class DistributedSampler(Sampler[int]):
+    """Each rank's share of the global stream of permuted dataset indices.
+
+    Args:
+        dataset: anything with ``len()``; ``n = len(dataset)`` samples.
+        seed: permutation seed (>= 0); the same seed gives the same stream on every run.
+        shuffle: permute each epoch; if False position ``p`` reads index ``p % n``.
+        rank, world_size: default to torch.distributed's when it is initialised, else 0 and 1.
+            The sampler never initialises a process group and never synchronises.
+        infinite: ``iter()`` never ends (continues across epochs), for step-based loops.
+        max_epochs: stop the stream at global position ``max_epochs * E``, ``E`` below.
+        max_samples: stop the stream at global position ``max_samples``.
+        window: quick start. Permutation epoch 0 is shuffled within consecutive windows of
+            ``window`` samples (window k holds samples [k*window, (k+1)*window)), so training can
+            start while the cache is still being built: a window is served once it is fully
+            committed, and the sampler waits for it. Later epochs are full permutations. The
+            stream is a pure function of (seed, final cache, window), whether training started
+            early or not; it is required while the dataset's cache is incomplete.
+        wait_timeout: seconds to wait for a growing cache to commit the next window before
+            raising TimeoutError.
+        build: optional :class:`torchcache.BuildHandle` of the background build; if it fails,
+            the sampler raises its error instead of waiting.
+
+    Loader epochs: with ``E = W * ceil(n / W)``, loader epoch ``e`` is the global range
+    ``[e*E, (e+1)*E)``; it contains permutation epoch ``e``'s samples plus, when ``W`` does not
+    divide ``n``, the first ``E - n`` positions of the stream after it, so nothing is dropped or
+    repeated and every rank yields ``ceil(n / W)`` indices. ``iter()`` starts at
+    :attr:`position` ``P`` and yields ``ceil((end - P) / W)`` indices on every rank, ``end`` being
+    the end of the loader epoch containing ``P``; the next ``iter()`` continues after them.
+    If ``P`` is not a multiple of ``W`` (elastic resume) the last few positions spill past
+    ``end``; the stream stays continuous.
+
+    Limits (``max_epochs``, ``max_samples``, the smaller wins) give a global stop position
+    ``L``. From start ``P`` each rank yields at most ``floor((L - P) / W)`` indices, so every rank
+    gets the same count and no position ``>= L`` is served; when ``L - P`` is not a multiple of
+    ``W`` the last ``(L - P) % W`` positions before ``L`` are left out.
+
+    :attr:`position` is the global position of the next row of ``W`` positions this sampler
+    dispatches (rank ``r`` next yields position ``position + r``). The sampler's own
+    :meth:`state_dict` records that *dispatched* position; :class:`torchcache.DataLoader`'s
+    state records what the training loop *consumed* and drives this position itself.
+    """
+
+    def __init__(
+        self,
+        dataset: Sized,
+        seed: int = 0,
+        shuffle: bool = True,
+        rank: int | None = None,
+        world_size: int | None = None,
+        *,
+        infinite: bool = False,
+        max_epochs: int | None = None,
+        max_samples: int | None = None,
+        window: int | None = None,
+        wait_timeout: float = 600.0,
+        build: Any = None,
+    ) -> None:
+        self.dataset = dataset
+        self.num_samples = _int_arg(len(dataset), "len(dataset)", 0)
+        self.window = None if window is None else _int_arg(window, "window", 1)
+        self.wait_timeout = float(wait_timeout)
+        self.build = build
+        self._growing = getattr(dataset, "complete", True) is False
+        if self._growing and self.window is None:
+            raise ValueError(
+                "the dataset's cache is still being built: pass window=W (e.g. 8192) to train on "
+                "its committed prefix (the first epoch is then shuffled within windows of W "
+                "samples), or wait for the build to finish")
+        if self.num_samples == 0 and not self._growing:
+            raise ValueError("dataset is empty: DistributedSampler needs len(dataset) >= 1")
+        self.seed = _int_arg(seed, "seed", 0)
+        self.shuffle = bool(shuffle)
+        default_rank, default_world = _distributed_defaults()
+        self.world_size = _int_arg(default_world if world_size is None else world_size, "world_size", 1)
+        self.rank = _int_arg(default_rank if rank is None else rank, "rank", 0)
+        if self.rank >= self.world_size:
+            raise ValueError(f"rank must be < world_size, got rank={self.rank}, world_size={self.world_size}")
+        self.infinite = bool(infinite)
+        self.max_epochs = None if max_epochs is None else _int_arg(max_epochs, "max_epochs", 0)
+        self.max_samples = None if max_samples is None else _int_arg(max_samples, "max_samples", 0)
+
+        self.position = 0
+        self._fresh = True  # never iterated or positioned: set_epoch may jump
+        self._generation = 0  # bumped by iter()/set_position(); stale iterators stop writing position
+        self._moves = 0  # explicit user moves (set_position, set_epoch jump, load_state_dict)
+        self._perms: OrderedDict[int, Permutation] = OrderedDict()
+
+    # -- the stream ---------------------------------------------------------------------------
+
+    @property
+    def epoch_size(self) -> int | None:
+        """``E = W * ceil(n / W)``: global positions per loader epoch (None while n is unknown)."""
+        if self._growing:
+            return None
+        return self.world_size * math.ceil(self.num_samples / self.world_size)
+
+    @property
+    def stop_position(self) -> int | None:
+        """Global position where the stream stops (from max_epochs/max_samples), or None."""
+        limits = [self.max_samples] if self.max_samples is not None else []
+        if self.max_epochs is not None and not self._growing:
+            limits.append(self.max_epochs * self.epoch_size)
+        return min(limits) if limits else None
+
+    @property
+    def growing(self) -> bool:
+        """True while the dataset's cache is still being built (its final length is unknown)."""
+        return self._growing
+
+    def _wait_for(self, position: int) -> None:
+        """Quick start: block until the window holding ``position`` is committed (or n is final)."""
+        deadline = time.monotonic() + self.wait_timeout
+        needed = (position // self.window + 1) * self.window
+        last = self.num_samples
+        while self._growing and self.num_samples < needed:
+            error = getattr(self.build, "error", None)
+            if error is not None:
+                raise RuntimeError(f"the background build failed, so sample window "
+                                   f"{position // self.window} will never be committed: {error}")
+            time.sleep(0.05)
+            self._refresh()
+            if self.num_samples != last:
+                last, deadline = self.num_samples, time.monotonic() + self.wait_timeout
+            elif time.monotonic() > deadline:
+                raise TimeoutError(
+                    f"waited {self.wait_timeout:.0f} s for the cache to commit samples up to "
+                    f"{needed} (it has {self.num_samples}) and it did not grow; is the build still "
+                    "running? (pass build=handle to be told when it fails, or raise wait_timeout)")
+
+    def _refresh(self) -> None:
+        """Re-read a growing dataset's length; freeze it when its cache is complete."""
+        refresh = getattr(self.dataset, "refresh", None)
+        self.num_samples = _int_arg(refresh() if refresh else len(self.dataset), "len(dataset)", 0)
+        if getattr(self.dataset, "complete", True):
+            self._growing = False
+            self._perms.clear()
+            if self.num_samples == 0:
+                raise ValueError("the finished cache holds no complete sample")
+
+    def _permutation(self, epoch: int) -> Permutation:
+        perm = self._perms.get(epoch)
+        if perm is None:
+            perm = Permutation(self.num_samples, derive_key(self.seed, "sample", epoch))
+            self._perms[epoch] = perm
+            if len(self._perms) > _PERM_CACHE:
+                self._perms.popitem(last=False)
+        return perm
+
+    def indices_for_positions(self, positions: np.ndarray) -> np.ndarray:
+        """Dataset indices (int64) for global stream ``positions``, vectorised per epoch.
+
+        This is the only place that maps positions to indices, so a subclass can change the
+        order (e.g. a quick-start first epoch) by overriding it alone.
+        """
+        positions = np.asarray(positions, dtype=np.int64)
+        if positions.size and positions.min() < 0:
+            raise ValueError(f"positions must be >= 0, got {positions.min()}")
+        n = self.num_samples
+        if self.window is not None and positions.size and (self._growing or positions.min() < n):
+            if self._growing and positions.max() >= n // self.window * self.window:
+                raise ValueError("positions beyond the committed windows of a growing cache")
+            first = positions < n if not self._growing else np.ones(positions.shape, dtype=bool)
+            out = np.empty_like(positions)
+            out[first] = self._windowed(positions[first])
+            if not first.all():
+                out[~first] = self.indices_for_positions(positions[~first])
+            return out
+        epochs, offsets = np.divmod(positions, n)
+        if not self.shuffle or n == 1 or positions.size == 0:
+            return offsets
+        first, last = int(epochs.min()), int(epochs.max())
+        if first == last:
+            return self._permutation(first)(offsets)
+        out = np.empty_like(offsets)
+        for epoch in np.unique(epochs):  # a chunk spans few epochs (unless n is tiny)
+            mask = epochs == epoch
+            out[mask] = self._permutation(int(epoch))(offsets[mask])
+        return out
+
+    def _windowed(self, positions: np.ndarray) -> np.ndarray:
+        """Permutation epoch 0 with quick start: shuffle within windows of ``window`` samples."""
+        w = self.window
+        windows, offsets = np.divmod(positions, w)
+        if not self.shuffle:
+            return positions
+        out = np.empty_like(positions)
+        for k in np.unique(windows).tolist():
+            mask = windows == k
+            size = min(w, self.num_samples - k * w) if not self._growing else w
+            perm = Permutation(size, derive_key(self.seed, "window", k))
+            out[mask] = k * w + perm(offsets[mask])
+        return out
+
+    def iteration_length(self, position: int | None = None) -> int | None:
+        """Indices ``iter()`` yields on each rank when started at ``position``; None if unbounded."""
+        start = self.position if position is None else position
+        W = self.world_size
+        count = None
+        if not self.infinite and not self._growing:
+            end = (start // self.epoch_size + 1) * self.epoch_size
+            count = -(-(end - start) // W)
+        stop = self.stop_position
+        if stop is not None:
+            cap = max(0, (stop - start) // W)
+            count = cap if count is None else min(count, cap)
+        return count
+
+    def __iter__(self) -> Iterator[int]:
+        self._generation += 1
+        self._fresh = False
+        return _SamplerIterator(self, self.position, self.iteration_length(), self._generation)
+
+    def _iterate(self, start: int, count: int | None, generation: int) -> Iterator[int]:
+        W, r = self.world_size, self.rank
+        # Chunks start small (cheap first batch, cheap abandoned iterators) and never span more
+        # than ~n positions, so one chunk touches at most two permutation epochs (when n >= W).
+        rows = 64
+        j = 0
+        while count is None or j < count:
+            cap = max(1, min(_CHUNK, (self.window if self._growing else self.num_samples) // W))
+            rows = min(cap, rows)
+            stop = j + rows if count is None else min(j + rows, count)
+            rows = 2 * rows
+            positions = start + r + W * np.arange(j, stop, dtype=np.int64)
+            if self._growing:
+                self._wait_for(int(positions[-1]))
+                if not self._growing and not self.infinite and count is None:
+                    count = self.iteration_length(start)  # n is final now: so is this epoch's end
+                    positions = positions[:max(0, count - j)]
+            for idx in self.indices_for_positions(positions).tolist():
+                j += 1
+                if self._generation == generation:
+                    self.position = start + j * W
+                yield idx
+
+    def __len__(self) -> int:
+        """Indices the next ``iter()`` yields on this rank (``ceil(n / W)`` at a loader-epoch start)."""
+        count = self.iteration_length()
+        if count is None:
+            raise TypeError("this DistributedSampler has no len(): it is infinite without "
+                            "max_epochs/max_samples, or its cache is still being built")
+        return count
+
+    # -- positioning and state ----------------------------------------------------------------
+
+    def set_position(self, position: int) -> None:
+        """Continue from global ``position`` at the next ``iter()`` (a live iterator is unaffected)."""
+        self._move_to(_int_arg(position, "position", 0))
+        self._moves += 1
+
+    def _move_to(self, position: int) -> None:
+        self.position = position
+        self._fresh = False
+        self._generation += 1
+
+    def set_epoch(self, epoch: int) -> None:
+        """Accepted for drop-in compatibility with torch's DistributedSampler; usually a no-op.
+
+        The position counter is the source of truth and ``iter()`` already moves on by itself.
+        If ``epoch`` is the loader epoch of the current position, nothing happens. On a fresh
+        sampler (never iterated or positioned) it jumps to the start of loader epoch ``epoch``.
+        Otherwise it warns and changes nothing, rather than silently skip or replay data; use
+        :meth:`set_position` to move explicitly.
+        """
+        epoch = _int_arg(epoch, "epoch", 0)
+        if self._growing:
+            if epoch != 0 or not self._fresh:
+                warnings.warn(f"set_epoch({epoch}) ignored while the cache is still being built",
+                              stacklevel=2)
+            return
+        if self.position // self.epoch_size == epoch:
+            return
+        if self._fresh:
+            self.set_position(epoch * self.epoch_size)
+            return
+        warnings.warn(
+            f"set_epoch({epoch}) ignored: the sampler is at global position {self.position}, in "
+            f"loader epoch {self.position // self.epoch_size}; it continues from there. "
+            "Use set_position() to move explicitly.",
+            stacklevel=2,
+        )
+
+    def _identity(self) -> dict[str, Any]:
+        return {
+            "algorithm": PERMUTATION_ALGORITHM,
+            "seed": self.seed,
+            "shuffle": self.shuffle,
+            "num_samples": None if self._growing else self.num_samples,
+            "window": self.window,
+        }
+
+    def state_dict(self) -> dict[str, Any]:
+        """JSON-serialisable state; ``"position"`` counts *dispatched* positions, not consumed ones.
+
+        Indices already dispatched to DataLoader workers but not yet received by the training
+        loop are counted here; use :meth:`torchcache.DataLoader.state_dict` for exact resume.
+        (torchdata's ``StatefulDataLoader`` also resumes exactly: it snapshots this state, and the
+        live iterator's, when a batch is dispatched and keeps that snapshot until the batch is
+        yielded; see :class:`_SamplerIterator`.)
+        """
+        return {
+            "format": SAMPLER_STATE_FORMAT,
+            "version": SAMPLER_STATE_VERSION,
+            "counts": "dispatched",
+            "position": self.position,
+            "world_size": self.world_size,
+            **self._identity(),
+        }
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Validate a :meth:`state_dict` and continue from its position (any world size)."""
+        _check_state(
+            state,
+            {"format": SAMPLER_STATE_FORMAT, "version": SAMPLER_STATE_VERSION, **self._identity()},
+            "DistributedSampler",
+            "Load a state saved by a DistributedSampler over the same dataset with the same seed "
+            "and shuffle (or start a new run without loading it).",
+        )
+        self.set_position(_int_arg(state.get("position"), "state['position']", 0))
+
+
+# -- torchdata interop: a live iteration that can save and restore itself ---------------------
+
+SAMPLER_ITERATOR_STATE_FORMAT = "torchcache.sampler_iterator"
+
+
+class _SamplerIterator(Iterator[int]):
+    """What ``iter(DistributedSampler)`` returns: the rank's indices for one ``iter()``.
+
+    It also has ``state_dict``/``load_state_dict`` so that torchdata's ``StatefulDataLoader``
+    (which saves the sampler's state *and* its live iterator's, then on resume calls
+    ``sampler.load_state_dict``, ``iter(sampler)`` and ``iterator.load_state_dict``) continues
+    the interrupted ``iter()`` itself. That matters only at a loader-epoch end: there the
+    sampler's position alone means "start the next epoch", while the interrupted iteration has
+    nothing left, so the resumed loader must end its epoch first, as the uninterrupted one does.
+    Like the sampler's state, ``"position"`` counts dispatched positions.
+    """
+
+    def __init__(self, sampler: DistributedSampler, start: int, count: int | None, generation: int) -> None:
+        self._sampler = sampler
+        self._start, self._count, self._generation = start, count, generation
+        self._yielded = 0
+        self._it = sampler._iterate(start, count, generation)
+
+    def __iter__(self) -> _SamplerIterator:
+        return self
+
+    def __next__(self) -> int:
+        idx = next(self._it)
+        self._yielded += 1
+        return idx
+
+    def state_dict(self) -> dict[str, Any]:
+        sampler = self._sampler
+        count = self._count if self._count is not None else sampler.iteration_length(self._start)
+        return {
+            "format": SAMPLER_ITERATOR_STATE_FORMAT,
+            "version": SAMPLER_STATE_VERSION,
+            "counts": "dispatched",
+            "position": self._start + self._yielded * sampler.world_size,
+            "remaining": None if count is None else max(0, count - self._yielded),
+            "world_size": sampler.world_size,
+            **sampler._identity(),
+        }
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Continue the saved iteration: the same indices (another world size: to its loader-epoch end)."""
+        sampler = self._sampler
+        _check_state(
+            state,
+            {"format": SAMPLER_ITERATOR_STATE_FORMAT, "version": SAMPLER_STATE_VERSION, **sampler._identity()},
+            "DistributedSampler iterator",
+            "Load a state saved by an iterator of a DistributedSampler over the same dataset with "
+            "the same seed and shuffle.",
+        )
+        position = _int_arg(state.get("position"), "state['position']", 0)
+        remaining = state.get("remaining")
+        if remaining is not None:
+            remaining = _int_arg(remaining, "state['remaining']", 0)
+        if remaining is None or remaining > 0 and state.get("world_size") != sampler.world_size:
+            remaining = sampler.iteration_length(position)
+        if sampler._generation == self._generation:  # the live iterator: it drives the position
+            sampler.position = position
+        self._start, self._count, self._yielded = position, remaining, 0
+        self._it = sampler._iterate(position, remaining, self._generation)
