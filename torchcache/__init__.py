@@ -6,6 +6,7 @@ import importlib
 from typing import Any
 
 from .build import BuildError, BuildResult, build_cache
+from .convert import convert_webdataset
 from .format import CacheFormatError
 from .handle import BuildHandle
 from .inputs import InputError
@@ -18,13 +19,14 @@ _LAZY = {
     "DataLoader": ".loader",
     "DistributedSampler": ".sample",
     "DocumentDataset": ".dataset",
+    "MixtureDataset": ".mix",
     "TokenDataset": ".dataset",
 }
 
 __all__ = [
     "BuildError", "BuildHandle", "BuildResult", "CacheFormatError", "DataLoader",
-    "DistributedSampler", "DocumentDataset", "InputError", "TokenCache", "TokenDataset",
-    "build_cache", "verify_cache",
+    "DistributedSampler", "DocumentDataset", "InputError", "MixtureDataset", "TokenCache",
+    "TokenDataset", "build_cache", "verify_cache",
 ]
 
 

@@ -56,7 +56,7 @@ class _Job:
     """Everything a worker needs for one build (picklable, small)."""
 
     output: str
-    tokenizer_json: str
+    tokenizer_json: str | None  # None: inputs hold token ids already (webdataset conversion)
     bos_id: int | None
     eos_id: int | None
     dtype: str
@@ -65,6 +65,7 @@ class _Job:
     on_error: str
     special_tokens_as_text: bool
     storage_options: dict = field(default_factory=dict)
+    vocab_size: int | None = None
 
 
 # ---------------------------------------------------------------- per-input work (runs in workers)
@@ -77,33 +78,34 @@ def build_input(job: _Job, index: int, source: InputSource | Iterable[str],
     ("done", index, progress). `progress` is the input's resume point (records consumed and
     skip counts) as of the end of that block.
     """
-    encoder = DocumentEncoder(job.tokenizer_json, bos_id=job.bos_id, eos_id=job.eos_id,
-                              dtype=np.dtype(job.dtype),
-                              special_tokens_as_text=job.special_tokens_as_text)
+    encode = _document_encoder(job)
     skipped = dict(start["skipped"])
     records = start["records"]
     block_no = start["blocks"]
     if isinstance(source, InputSource):
-        stream = iter_records(source, job.text_key, records, job.on_error, job.storage_options)
+        stream = iter_records(source, job.text_key, records, job.on_error, job.storage_options,
+                              tokens=job.tokenizer_json is None)
     else:
         stream = iter_strings(source, records, job.on_error)
     docs: list[np.ndarray] = []
+    keys: list[str | None] = []
     doc_tokens = 0
 
     def flush(upto: int, counts: dict[str, int]) -> tuple:
-        nonlocal docs, doc_tokens, block_no
-        entry = _write_block(job, index, block_no, docs)
+        nonlocal docs, keys, doc_tokens, block_no
+        entry = _write_block(job, index, block_no, docs, keys)
         block_no += 1
-        docs, doc_tokens = [], 0
+        docs, keys, doc_tokens = [], [], 0
         return ("block", index, entry, {"records": upto, "skipped": dict(counts), "blocks": block_no})
 
-    batches = _Batches(stream, skipped)
+    batches = _Batches(stream, skipped, _token_checker(job, source), job.on_error)
     for batch in batches:
-        encoded = encoder.encode([r.text for r, _ in batch])
+        encoded = encode([r for r, _ in batch])
         for (record, counts), ids in zip(batch, encoded):
             if docs and doc_tokens + len(ids) > job.block_tokens:
                 yield flush(last_number, last_counts)
             docs.append(ids)
+            keys.append(record.key)
             doc_tokens += len(ids)
             last_number, last_counts = record.number, counts
             if doc_tokens >= job.block_tokens:
@@ -115,6 +117,40 @@ def build_input(job: _Job, index: int, source: InputSource | Iterable[str],
     yield ("done", index, {"records": records_end, "skipped": skipped, "blocks": block_no})
 
 
+def _document_encoder(job: _Job) -> Callable[[list], list[np.ndarray]]:
+    """Records -> token arrays: the tokenizer for text, BOS/EOS added to pre-tokenized ids."""
+    if job.tokenizer_json is not None:
+        encoder = DocumentEncoder(job.tokenizer_json, bos_id=job.bos_id, eos_id=job.eos_id,
+                                  dtype=np.dtype(job.dtype),
+                                  special_tokens_as_text=job.special_tokens_as_text)
+        return lambda records: encoder.encode([r.text for r in records])
+    head = [] if job.bos_id is None else [job.bos_id]
+    tail = [] if job.eos_id is None else [job.eos_id]
+
+    def wrap(records: list) -> list[np.ndarray]:
+        return [np.concatenate([np.asarray(head, dtype=job.dtype), r.tokens.astype(job.dtype),
+                                np.asarray(tail, dtype=job.dtype)]) for r in records]
+    return wrap
+
+
+def _token_checker(job: _Job, source: Any) -> Callable[[Any], str | None]:
+    """For pre-tokenized records: a message if ids fall outside the vocabulary, else None."""
+    limit = job.vocab_size if job.vocab_size is not None else np.iinfo(np.dtype(job.dtype)).max + 1
+
+    def check(record) -> str | None:
+        ids = record.tokens
+        if ids is None or not len(ids):
+            return None
+        low, high = int(ids.min()), int(ids.max())
+        if low >= 0 and high < limit:
+            return None
+        bad = low if low < 0 else high
+        return (f"{getattr(source, 'path', source)}: sample {record.key!r}: token id {bad} is outside "
+                f"the vocabulary [0, {limit}); pass the right vocab_size, or on_error='skip' to skip "
+                "and count such samples")
+    return check
+
+
 class _Batches:
     """Groups non-empty documents into batches and counts skipped and empty records.
 
@@ -122,22 +158,34 @@ class _Batches:
     record the input's exact resume point.
     """
 
-    def __init__(self, stream: Iterator, skipped: dict[str, int]):
+    def __init__(self, stream: Iterator, skipped: dict[str, int], check: Callable[[Any], str | None],
+                 on_error: str = "raise"):
         self.stream, self.skipped, self.last_number = stream, skipped, 0
+        self.check, self.on_error = check, on_error
+
+    def _count(self, reason: str) -> None:
+        self.skipped[reason] = self.skipped.get(reason, 0) + 1
 
     def __iter__(self):
         batch, chars = [], 0
         try:
             for record in self.stream:
                 self.last_number = record.number
-                if record.text is None:
-                    self.skipped[record.problem] = self.skipped.get(record.problem, 0) + 1
+                content = record.text if record.tokens is None else record.tokens
+                if content is None:
+                    self._count(record.problem)
                     continue
-                if not record.text:
-                    self.skipped["empty"] = self.skipped.get("empty", 0) + 1
+                if not len(content):
+                    self._count("empty")
+                    continue
+                problem = self.check(record)
+                if problem is not None:
+                    if self.on_error == "raise":
+                        raise InputError(problem)
+                    self._count("bad_tokens")
                     continue
                 batch.append((record, dict(self.skipped)))
-                chars += len(record.text)
+                chars += len(content)
                 if chars >= _BATCH_CHARS or len(batch) >= _BATCH_DOCS:
                     yield batch
                     batch, chars = [], 0
@@ -149,7 +197,8 @@ class _Batches:
             yield batch
 
 
-def _write_block(job: _Job, index: int, block_no: int, docs: list[np.ndarray]) -> dict[str, Any]:
+def _write_block(job: _Job, index: int, block_no: int, docs: list[np.ndarray],
+                 keys: list[str | None]) -> dict[str, Any]:
     tokens = np.concatenate(docs).astype(job.dtype, copy=False)
     offsets = np.zeros(len(docs) + 1, dtype=np.int64)
     np.cumsum([len(d) for d in docs], out=offsets[1:])
@@ -157,10 +206,14 @@ def _write_block(job: _Job, index: int, block_no: int, docs: list[np.ndarray]) -
     meta = {"format": fmt.FORMAT_NAME, "version": str(fmt.FORMAT_VERSION)}
     block = fmt.write_tensor_file(job.output, path, "tokens", tokens, meta)
     side = fmt.write_tensor_file(job.output, fmt.offsets_name(path), "offsets", offsets, meta)
-    return {"path": block.path, "checksum": block.checksum, "size": block.size,
-            "offsets": side.path, "offsets_checksum": side.checksum,
-            "num_tokens": int(len(tokens)), "num_documents": len(docs),
-            "input": index, "index": block_no}
+    entry = {"path": block.path, "checksum": block.checksum, "size": block.size,
+             "offsets": side.path, "offsets_checksum": side.checksum,
+             "num_tokens": int(len(tokens)), "num_documents": len(docs),
+             "input": index, "index": block_no}
+    if any(k is not None for k in keys):
+        written = fmt.write_keys_file(job.output, fmt.keys_name(path), keys)
+        entry.update(keys=written.path, keys_checksum=written.checksum)
+    return entry
 
 
 # ---------------------------------------------------------------- worker processes
@@ -277,7 +330,7 @@ def _clean(root: str, manifest: dict[str, Any] | None) -> None:
     known = set()
     if manifest:
         for e in manifest["blocks"] + manifest.get("pending", []):
-            known.update((e["path"], e["offsets"]))
+            known.update((e["path"], e["offsets"], e.get("keys")))
     for name in os.listdir(root):
         if fmt.TMP_MARK in name:
             os.unlink(os.path.join(root, name))
@@ -300,12 +353,13 @@ def _spec_diff(old: dict, new: dict) -> list[str]:
     return sorted(k for k in set(old) | set(new) if old.get(k) != new.get(k))
 
 
-def build_cache(inputs: Any, output: str | os.PathLike, tokenizer: TokenizerLike, *,
+def build_cache(inputs: Any, output: str | os.PathLike, tokenizer: TokenizerLike | None, *,
                 text_key: str = "text", block_tokens: int = 2 ** 24, num_workers: int | None = None,
                 on_error: str = "raise", background: bool = False, executor: str = "local",
                 eos: int | str | None = "auto", bos: int | str | None = None,
                 special_tokens_as_text: bool = True, progress: bool | None = None,
-                storage_options: dict[str, Any] | None = None) -> "BuildResult | BuildHandle":
+                storage_options: dict[str, Any] | None = None,
+                vocab_size: int | None = None) -> "BuildResult | BuildHandle":
     """Tokenize `inputs` into a cache at `output`; see the README for every option.
 
     Re-running a finished build with the same arguments is a cheap no-op; an interrupted build
@@ -323,7 +377,7 @@ def build_cache(inputs: Any, output: str | os.PathLike, tokenizer: TokenizerLike
         raise ValueError(f"num_workers must be >= 0, not {num_workers}")
     kwargs = dict(text_key=text_key, block_tokens=block_tokens, num_workers=num_workers,
                   on_error=on_error, eos=eos, bos=bos, special_tokens_as_text=special_tokens_as_text,
-                  storage_options=storage_options)
+                  storage_options=storage_options, vocab_size=vocab_size)
     if background:
         from .handle import BuildHandle
         return BuildHandle.start(inputs, output, tokenizer, kwargs)
@@ -333,20 +387,34 @@ def build_cache(inputs: Any, output: str | os.PathLike, tokenizer: TokenizerLike
 def _build(inputs: Any, output: str | os.PathLike, tokenizer: TokenizerLike, *, text_key: str,
            block_tokens: int, num_workers: int | None, on_error: str, eos, bos,
            special_tokens_as_text: bool, storage_options: dict[str, Any] | None,
-           progress: bool = False, report: Callable[[dict], None] | None = None,
+           vocab_size: int | None = None, progress: bool = False, report: Callable[[dict], None] | None = None,
            should_stop: Callable[[], bool] | None = None) -> BuildResult:
     started = time.perf_counter()
     root = _local_output(output)
-    tok = load_tokenizer(tokenizer)
     resolved = resolve_inputs(inputs, storage_options)
     sources = resolved if isinstance(resolved, list) else None
-    vocab_size = tok.get_vocab_size(with_added_tokens=True)
-    dtype = fmt.token_dtype(vocab_size)
+    if tokenizer is None:
+        tok = None
+        if sources is None or any(s.kind != "wds" for s in sources):
+            raise ValueError("tokenizer is required, except for pre-tokenized webdataset tars "
+                             "(see convert_webdataset)")
+        dtype = fmt.token_dtype(vocab_size) if vocab_size is not None else np.dtype("<u4")
+        tokenizer_spec = None
+        bos_id, eos_id = (_plain_token_id(x, name, vocab_size) for x, name in ((bos, "bos"), (eos, "eos")))
+    else:
+        if vocab_size is not None:
+            raise ValueError("vocab_size comes from the tokenizer; pass it only without one")
+        tok = load_tokenizer(tokenizer)
+        vocab_size = tok.get_vocab_size(with_added_tokens=True)
+        dtype = fmt.token_dtype(vocab_size)
+        tokenizer_spec = {"fingerprint": tokenizer_fingerprint(tok)}
+        bos_id, eos_id = special_token_id(tok, bos, "bos"), special_token_id(tok, eos, "eos")
     spec = {
-        "tokenizer": {"fingerprint": tokenizer_fingerprint(tok), "vocab_size": vocab_size},
+        "tokenizer": tokenizer_spec,
+        "vocab_size": vocab_size,
         "dtype": fmt.dtype_name(dtype),
-        "bos_id": special_token_id(tok, bos, "bos"),
-        "eos_id": special_token_id(tok, eos, "eos"),
+        "bos_id": bos_id,
+        "eos_id": eos_id,
         "special_tokens_as_text": special_tokens_as_text,
         "text_key": text_key,
         "block_tokens": block_tokens,
@@ -368,12 +436,14 @@ def _build(inputs: Any, output: str | os.PathLike, tokenizer: TokenizerLike, *, 
         _clean(root, existing)
         state = _Manifest(root, spec, existing)
         if existing is None:
-            _write_tokenizer(root, tok)
+            if tok is not None:
+                _write_tokenizer(root, tok)
             state.save()
         elif existing["complete"]:
             return _result(root, existing, started, 0)
-        job = _Job(root, canonical_json(tok), spec["bos_id"], spec["eos_id"], str(dtype), text_key,
-                   block_tokens, on_error, special_tokens_as_text, dict(storage_options or {}))
+        job = _Job(root, None if tok is None else canonical_json(tok), bos_id, eos_id, str(dtype),
+                   text_key, block_tokens, on_error, special_tokens_as_text,
+                   dict(storage_options or {}), vocab_size)
         todo = [i for i, p in enumerate(state.progress) if not p["done"]]
         bar = _ProgressBar(spec["inputs"], state, enabled=progress)
         try:
@@ -387,6 +457,17 @@ def _build(inputs: Any, output: str | os.PathLike, tokenizer: TokenizerLike, *, 
         return _result(root, state.document(), started, built)
     finally:
         os.close(lock)
+
+
+def _plain_token_id(token: Any, role: str, vocab_size: int | None) -> int | None:
+    """BOS/EOS for pre-tokenized data: an id or None (there is no tokenizer to look names up)."""
+    if token is None:
+        return None
+    if isinstance(token, bool) or not isinstance(token, (int, np.integer)):
+        raise ValueError(f"{role}={token!r}: without a tokenizer, give {role} as a token id or None")
+    if token < 0 or (vocab_size is not None and token >= vocab_size):
+        raise ValueError(f"{role}={token} is outside the vocabulary (size {vocab_size})")
+    return int(token)
 
 
 def _local_output(output: str | os.PathLike) -> str:

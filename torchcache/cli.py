@@ -1,4 +1,4 @@
-"""The `torchcache` command line: build, info, verify, show."""
+"""The `torchcache` command line: build, convert-webdataset, info, verify, show."""
 
 from __future__ import annotations
 
@@ -16,6 +16,23 @@ def _build(args: argparse.Namespace) -> int:
                          block_tokens=args.block_tokens, num_workers=args.workers,
                          on_error=args.on_error, eos=_token_arg(args.eos), bos=_token_arg(args.bos),
                          special_tokens_as_text=not args.keep_special_tokens, progress=True)
+    return _summary(result)
+
+
+def _convert(args: argparse.Namespace) -> int:
+    from .convert import convert_webdataset
+    options = dict(block_tokens=args.block_tokens, num_workers=args.workers, on_error=args.on_error,
+                   progress=True)
+    if args.tokenizer is None and (args.eos or args.bos) and not all(
+            x is None or x.isdigit() for x in (args.eos, args.bos)):
+        raise ValueError("without a tokenizer, --eos and --bos must be token ids")
+    result = convert_webdataset(args.urls, args.output, tokenizer=args.tokenizer,
+                                text_key=args.text_key, vocab_size=args.vocab_size,
+                                eos_id=_token_arg(args.eos), bos_id=_token_arg(args.bos), **options)
+    return _summary(result)
+
+
+def _summary(result) -> int:
     skipped = ", ".join(f"{k} {v}" for k, v in sorted(result.skipped.items())) or "none"
     print(f"{result.path}: {result.num_tokens:,} tokens, {result.num_documents:,} documents, "
           f"{result.num_blocks} blocks; skipped: {skipped}")
@@ -58,8 +75,9 @@ def _info(args: argparse.Namespace) -> int:
         print(f"  doc length {pct}")
     print(f"  skipped    {info['skipped'] or 'none'}")
     spec = cache.spec
-    print(f"  tokenizer  {spec['tokenizer']['fingerprint'][:23]}  vocab {spec['tokenizer']['vocab_size']:,}"
-          f"  dtype {spec['dtype']}  bos {spec['bos_id']}  eos {spec['eos_id']}")
+    tokenizer = spec["tokenizer"]["fingerprint"][:23] if spec["tokenizer"] else "none (pre-tokenized)"
+    print(f"  tokenizer  {tokenizer}  vocab {spec['vocab_size']}  dtype {spec['dtype']}  "
+          f"bos {spec['bos_id']}  eos {spec['eos_id']}")
     print(f"  inputs     {len(spec['inputs'])} (text key {spec['text_key']!r})")
     print(f"  fingerprint {cache.fingerprint}")
     return 0
@@ -85,7 +103,10 @@ def _show(args: argparse.Namespace) -> int:
         ids = cache.read(int(start), int(stop)).astype(np.int64)
     else:
         ids = cache.document(args.document)
-    if args.ids:
+        key = cache.document_key(args.document)
+        if key is not None:
+            print(f"document {args.document}: sample key {key!r}", file=sys.stderr)
+    if args.ids or cache.spec["tokenizer"] is None:
         print(" ".join(map(str, ids.tolist())))
     else:
         sys.stdout.write(cache.decode(ids))
@@ -112,6 +133,24 @@ def make_parser() -> argparse.ArgumentParser:
     b.add_argument("--keep-special-tokens", action="store_true",
                    help="let special-token strings inside documents become special tokens")
     b.set_defaults(func=_build)
+
+    c = sub.add_parser("convert-webdataset", help="convert WebDataset tars into a cache")
+    c.add_argument("urls", nargs="+", help="shard URLs or paths; brace patterns like "
+                                           "'shard-{000000..000099}.tar' are expanded")
+    c.add_argument("-o", "--output", required=True, help="cache directory")
+    c.add_argument("-t", "--tokenizer", default=None,
+                   help="tokenizer.json for text samples; omit for pre-tokenized samples")
+    c.add_argument("--text-key", default=None,
+                   help="member holding the text (default txt; txt.gz, json:FIELD) or, without a "
+                        "tokenizer, the token ids (default npy; safetensors, json, json:FIELD)")
+    c.add_argument("--vocab-size", type=int, default=None,
+                   help="vocabulary size of pre-tokenized samples (sets the dtype, checks ids)")
+    c.add_argument("--eos", default=None, help="EOS id (or string, with a tokenizer) to append")
+    c.add_argument("--bos", default=None, help="BOS id (or string, with a tokenizer) to prepend")
+    c.add_argument("--block-tokens", type=int, default=2 ** 24, help="target tokens per block")
+    c.add_argument("-j", "--workers", type=int, default=None, help="worker processes")
+    c.add_argument("--on-error", choices=("raise", "skip"), default="raise")
+    c.set_defaults(func=_convert)
 
     i = sub.add_parser("info", help="summarise a cache")
     i.add_argument("cache")

@@ -89,6 +89,23 @@ def write_tensor_file(directory: str, rel_path: str, name: str, array: np.ndarra
     return WrittenFile(rel_path, len(head) + data.nbytes, "sha256:" + digest.hexdigest())
 
 
+def keys_name(block_path: str) -> str:
+    return block_path[: -len(".safetensors")] + ".keys.json"
+
+
+def write_keys_file(directory: str, rel_path: str, keys: list[str | None]) -> WrittenFile:
+    """Write a block's document keys (a JSON list of strings) durably, like a tensor file."""
+    data = json.dumps(keys, ensure_ascii=False, separators=(",", ":")).encode() + b"\n"
+    final = os.path.join(directory, rel_path)
+    tmp = f"{final}{TMP_MARK}{os.getpid()}"
+    with open(tmp, "wb") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, final)
+    return WrittenFile(rel_path, len(data), "sha256:" + hashlib.sha256(data).hexdigest())
+
+
 @dataclass(frozen=True)
 class TensorHeader:
     dtype: np.dtype

@@ -19,9 +19,10 @@ import fsspec
 ITERABLE_PATH = "<iterable>"
 _JSONL = (".jsonl", ".ndjson")
 _TEXT = (".txt",)
+_TAR = (".tar", ".tar.gz", ".tgz")
 _COMPRESSIONS = {".gz": "gzip", ".zst": "zstd", ".zstd": "zstd"}
-SUPPORTED = "jsonl, jsonl.gz, jsonl.zst, ndjson, txt, txt.gz, txt.zst"
-SKIP_REASONS = ("malformed_json", "missing_text", "invalid_utf8", "unreadable")
+SUPPORTED = "jsonl, jsonl.gz, jsonl.zst, ndjson, txt, txt.gz, txt.zst, parquet, tar, tar.gz, tgz"
+SKIP_REASONS = ("malformed_json", "missing_text", "invalid_utf8", "unreadable", "bad_tokens")
 
 
 class InputError(ValueError):
@@ -33,7 +34,7 @@ class InputSource:
     """One input shard: a file (by URL) of a known kind, or the caller's iterable of strings."""
 
     path: str
-    kind: str  # "jsonl", "txt" or "iterable"
+    kind: str  # "jsonl", "txt", "parquet" or "wds" (webdataset tar)
     compression: str | None
     size: int | None
 
@@ -49,13 +50,19 @@ class InputSource:
 @dataclass(frozen=True)
 class Record:
     number: int             # 1-based record number within the input (line number for JSON lines)
-    text: str | None        # None when the record was skipped
+    text: str | None        # None when the record was skipped (or holds tokens instead)
     problem: str | None     # one of SKIP_REASONS when skipped
     position: int           # raw bytes of the input consumed so far (for progress)
+    tokens: Any = None      # already-tokenized document (np.ndarray), for pre-tokenized inputs
+    key: str | None = None  # the source sample's key (webdataset __key__), kept in a sidecar
 
 
 def _kind_of(path: str) -> tuple[str, str | None]:
     name = path.lower()
+    if name.endswith(_TAR):
+        return "wds", None  # tarfile detects gzip itself
+    if name.endswith(".parquet"):
+        return "parquet", None
     compression = None
     for ext, comp in _COMPRESSIONS.items():
         if name.endswith(ext):
@@ -195,8 +202,20 @@ class _ZstdReader(io.RawIOBase):
 
 
 def iter_records(source: InputSource, text_key: str, start: int, on_error: str,
-                 storage_options: dict[str, Any] | None = None) -> Iterator[Record]:
-    """Records of one file input after record `start`; malformed ones raise or are skipped."""
+                 storage_options: dict[str, Any] | None = None, tokens: bool = False) -> Iterator[Record]:
+    """Records of one file input after record `start`; malformed ones raise or are skipped.
+
+    `tokens=True` reads pre-tokenized documents (webdataset inputs only).
+    """
+    if source.kind == "wds":
+        from .convert import iter_tar_records
+        yield from iter_tar_records(source, text_key, start, on_error, storage_options, tokens)
+        return
+    if tokens:
+        raise ValueError(f"{source.path}: pre-tokenized documents are read from webdataset tars only")
+    if source.kind == "parquet":
+        yield from _iter_parquet(source, text_key, start, on_error, storage_options)
+        return
     with fsspec.open(source.path, "rb", **(storage_options or {})) as raw:
         stream, counted = _open_text_stream(source, raw)
         number = 0
@@ -218,6 +237,54 @@ def iter_records(source: InputSource, text_key: str, start: int, on_error: str,
             if on_error == "raise":
                 raise InputError(message + "; fix or remove it, or pass on_error='skip'") from None
             yield Record(number + 1, None, "unreadable", counted.count)
+
+
+def _iter_parquet(source: InputSource, text_key: str, start: int, on_error: str,
+                  storage_options: dict[str, Any] | None) -> Iterator[Record]:
+    """Rows of a Parquet file, read one row group at a time (never the whole file)."""
+    try:
+        import pyarrow.parquet as pq
+    except ImportError:
+        raise ImportError(f"input {source.path!r} is Parquet: install the extra "
+                          "`pip install torchcache-lm[parquet]` (the pyarrow package)") from None
+    with fsspec.open(source.path, "rb", **(storage_options or {})) as raw:
+        try:
+            pf = pq.ParquetFile(raw)
+        except Exception as e:
+            message = f"{source.path}: not a readable Parquet file ({e})"
+            if on_error == "raise":
+                raise InputError(message + "; fix or remove it, or pass on_error='skip'") from None
+            yield Record(start + 1, None, "unreadable", 0)
+            return
+        if text_key not in pf.schema_arrow.names:
+            raise InputError(f"{source.path}: no column {text_key!r} (columns: "
+                             f"{pf.schema_arrow.names[:8]}); set text_key to the text column")
+        number = 0
+        for group in range(pf.num_row_groups):
+            rows = pf.metadata.row_group(group).num_rows
+            if number + rows <= start:
+                number += rows
+                continue
+            try:
+                column = pf.read_row_group(group, columns=[text_key]).column(0).to_pylist()
+            except Exception as e:
+                message = (f"{source.path}: cannot read row group {group} ({type(e).__name__}: {e}); "
+                           "the file is truncated or corrupted")
+                if on_error == "raise":
+                    raise InputError(message + "; fix or remove it, or pass on_error='skip'") from None
+                yield Record(number + 1, None, "unreadable", 0)
+                return
+            position = int(source.size * (group + 1) / max(pf.num_row_groups, 1)) if source.size else 0
+            for text in column:
+                number += 1
+                if number <= start:
+                    continue
+                if isinstance(text, str):
+                    yield Record(number, text, None, position)
+                else:
+                    yield _problem(source, number, "missing_text",
+                                   f"row {number}: column {text_key!r} is {type(text).__name__}, "
+                                   "not a string", position, on_error)
 
 
 def _zstd_error() -> type[BaseException]:

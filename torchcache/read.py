@@ -54,9 +54,14 @@ class TokenCache:
         blocks = manifest["blocks"]
         self._paths = [(b["path"], b["offsets"]) for b in blocks]
         self._checksums = [(b["checksum"], b["offsets_checksum"]) for b in blocks]
+        self._keys = [(b["keys"], b["keys_checksum"]) if "keys" in b else None for b in blocks]
+        self._inputs = [self.spec["inputs"][b["input"]]["path"] for b in blocks]
         for path, offsets in self._paths:
             fmt.safe_join(self.root, path)
             fmt.safe_join(self.root, offsets)
+        for keys in self._keys:
+            if keys is not None:
+                fmt.safe_join(self.root, keys[0])
         self._token_starts = np.zeros(len(blocks) + 1, dtype=np.int64)
         np.cumsum([b["num_tokens"] for b in blocks], out=self._token_starts[1:])
         self._doc_starts = np.zeros(len(blocks) + 1, dtype=np.int64)
@@ -91,8 +96,9 @@ class TokenCache:
         return len(self._paths)
 
     @property
-    def vocab_size(self) -> int:
-        return int(self.spec["tokenizer"]["vocab_size"])
+    def vocab_size(self) -> int | None:
+        """Vocabulary size (None for pre-tokenized data converted without one)."""
+        return self.spec["vocab_size"]
 
     @property
     def eos_id(self) -> int | None:
@@ -318,6 +324,34 @@ class TokenCache:
             b += 1
         return np.concatenate(found) if found else np.empty(0, dtype=np.int64)
 
+    def document_key(self, i: int) -> str | None:
+        """The source sample key of document i (webdataset `__key__`), or None if not recorded."""
+        i = self._check_document(i)
+        b = int(np.searchsorted(self._doc_starts, i, side="right")) - 1
+        if self._keys[b] is None:
+            return None
+        path = fmt.safe_join(self.root, self._keys[b][0])
+        if self.verify_checksums:
+            self._verify_file(path, self._keys[b][1])
+        import json
+        try:
+            with open(path, "rb") as f:
+                keys = json.loads(f.read())
+        except (OSError, ValueError) as e:
+            raise fmt.CacheFormatError(f"{path}: unreadable keys file ({e})") from None
+        if not isinstance(keys, list) or len(keys) != self._doc_starts[b + 1] - self._doc_starts[b]:
+            raise fmt.CacheFormatError(f"{path}: keys do not match the manifest (corrupted)")
+        return keys[i - int(self._doc_starts[b])]
+
+    def trace(self, token: int) -> dict[str, Any]:
+        """Where global token position `token` came from: document, its key and input file."""
+        doc = self.document_at(int(token))
+        start, stop = self.document_span(doc)
+        b = int(np.searchsorted(self._doc_starts, doc, side="right")) - 1
+        manifest_input = self._inputs[b]
+        return {"document": doc, "key": self.document_key(doc), "input": manifest_input,
+                "document_tokens": (start, stop), "offset_in_document": int(token) - start}
+
     def document_lengths(self) -> np.ndarray:
         """Length in tokens of every document (reads all offset sidecars; for stats)."""
         parts = [np.diff(self.block_offsets(b)) for b in range(self.num_blocks)]
@@ -327,6 +361,9 @@ class TokenCache:
     def tokenizer(self):
         """The tokenizer the cache was built with (stored in the cache directory)."""
         from tokenizers import Tokenizer
+        if self.spec["tokenizer"] is None:
+            raise ValueError(f"{self.root} was converted from pre-tokenized data and has no "
+                             "tokenizer; read token ids instead (e.g. `torchcache show --ids`)")
         return Tokenizer.from_file(os.path.join(self.root, fmt.TOKENIZER_NAME))
 
     def decode(self, ids, skip_special_tokens: bool = False) -> str:
@@ -339,8 +376,10 @@ def verify_cache(path: str | os.PathLike) -> list[str]:
     problems = []
     manifest = fmt.read_manifest(cache.root)
     for b, entry in enumerate(manifest["blocks"] + manifest.get("pending", [])):
-        for rel, checksum in ((entry["path"], entry["checksum"]),
-                              (entry["offsets"], entry["offsets_checksum"])):
+        files = [(entry["path"], entry["checksum"]), (entry["offsets"], entry["offsets_checksum"])]
+        if "keys" in entry:
+            files.append((entry["keys"], entry["keys_checksum"]))
+        for rel, checksum in files:
             full = fmt.safe_join(cache.root, rel)
             try:
                 TokenCache._verify_file(full, checksum)

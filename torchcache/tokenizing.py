@@ -6,7 +6,7 @@ import hashlib
 import json
 import os
 import re
-from typing import Any, Sequence, Union
+from typing import Sequence, Union
 
 import numpy as np
 from tokenizers import Tokenizer
@@ -152,6 +152,3 @@ class DocumentEncoder:
             i += n
         return out
 
-
-def tokenizer_summary(tok: Tokenizer) -> dict[str, Any]:
-    return {"vocab_size": tok.get_vocab_size(with_added_tokens=True)}
