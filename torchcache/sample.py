@@ -86,7 +86,10 @@ class DistributedSampler(Sampler[int]):
     Args:
         dataset: anything with ``len()``; ``n = len(dataset)`` samples.
         seed: permutation seed (>= 0); the same seed gives the same stream on every run.
-        shuffle: permute each epoch; if False position ``p`` reads index ``p % n``.
+        shuffle: permute each epoch; if False position ``p`` reads index ``p % n``. Ignored for a
+            dataset with ``unbounded_indices = True`` (:class:`torchcache.MixtureDataset`): it is
+            already shuffled and every index ``>= 0`` is valid, so position ``p`` reads index
+            ``p`` (``len(dataset)`` then only sets the loader-epoch size; ``window`` is refused).
         rank, world_size: default to torch.distributed's when it is initialised, else 0 and 1.
             The sampler never initialises a process group and never synchronises.
         infinite: ``iter()`` never ends (continues across epochs), for step-based loops.
@@ -141,6 +144,12 @@ class DistributedSampler(Sampler[int]):
         self.dataset = dataset
         self.num_samples = _int_arg(len(dataset), "len(dataset)", 0)
         self.window = None if window is None else _int_arg(window, "window", 1)
+        # Datasets with unbounded indices (tc.MixtureDataset): already shuffled, read in order.
+        self.unbounded = bool(getattr(dataset, "unbounded_indices", False))
+        if self.unbounded and self.window is not None:
+            raise ValueError(
+                f"window= (quick start) is not supported for {type(dataset).__name__}: its "
+                "indices are an already shuffled, unbounded stream, read in order; drop window=")
         self.wait_timeout = float(wait_timeout)
         self.build = build
         self._growing = getattr(dataset, "complete", True) is False
@@ -238,6 +247,11 @@ class DistributedSampler(Sampler[int]):
         positions = np.asarray(positions, dtype=np.int64)
         if positions.size and positions.min() < 0:
             raise ValueError(f"positions must be >= 0, got {positions.min()}")
+        if self.unbounded:
+            # A dataset with ``unbounded_indices`` (tc.MixtureDataset) is already shuffled and
+            # defined at every index >= 0: global position p reads index p, whatever ``shuffle``
+            # says, and later loader epochs continue its stream instead of replaying it.
+            return positions
         n = self.num_samples
         if self.window is not None and positions.size and (self._growing or positions.min() < n):
             if self._growing and positions.max() >= n // self.window * self.window:
