@@ -10,7 +10,6 @@ invisible to readers until every block before it in stream order is there.
 
 from __future__ import annotations
 
-import fcntl
 import os
 import queue as queue_module
 import signal
@@ -21,6 +20,7 @@ from typing import Any, Callable, Iterable, Iterator
 import numpy as np
 
 from . import format as fmt
+from .storage import TMP_MARK, Storage, open_storage
 from .inputs import ITERABLE_PATH, InputError, InputSource, iter_records, iter_strings, resolve_inputs
 from .tokenizing import (DocumentEncoder, TokenizerLike, canonical_json, load_tokenizer,
                          special_token_id, tokenizer_fingerprint)
@@ -55,7 +55,7 @@ class BuildResult:
 class _Job:
     """Everything a worker needs for one build (picklable, small)."""
 
-    output: str
+    output: Storage
     tokenizer_json: str | None  # None: inputs hold token ids already (webdataset conversion)
     bos_id: int | None
     eos_id: int | None
@@ -253,8 +253,8 @@ def _worker_main(job: _Job, sources: list[InputSource], starts: dict, tasks, eve
 class _Manifest:
     """The coordinator's view of the manifest; `save()` writes it atomically."""
 
-    def __init__(self, root: str, spec: dict[str, Any], existing: dict[str, Any] | None):
-        self.root, self.spec = root, spec
+    def __init__(self, storage: Storage, spec: dict[str, Any], existing: dict[str, Any] | None):
+        self.storage, self.spec = storage, spec
         n = len(spec["inputs"])
         self.finished: list[list[dict]] = [[] for _ in range(n)]
         self.progress: list[dict] = [{"records": 0, "skipped": {}, "blocks": 0, "done": False}
@@ -310,42 +310,39 @@ class _Manifest:
 
     def save(self) -> dict[str, Any]:
         doc = self.document()
-        fmt.write_json_atomic(os.path.join(self.root, fmt.MANIFEST_NAME), doc)
+        self.storage.write_json(fmt.MANIFEST_NAME, doc)
         return doc
 
 
-def _lock(root: str):
-    fd = os.open(os.path.join(root, ".lock"), os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+def _lock(storage: Storage):
+    lock = storage.lock()
     try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
-        os.close(fd)
-        raise BuildError(f"another builder is writing {root!r} right now; wait for it to finish "
-                         "(or stop it) before building there") from None
-    return fd
+        lock.acquire()
+    except RuntimeError:
+        raise BuildError(f"another builder is writing {storage.url!r} right now; wait for it to "
+                         "finish (or stop it) before building there") from None
+    return lock
 
 
-def _clean(root: str, manifest: dict[str, Any] | None) -> None:
+def _clean(storage: Storage, manifest: dict[str, Any] | None) -> None:
     """Remove temporary files and block files the manifest does not know (left by a crash)."""
     known = set()
     if manifest:
         for e in manifest["blocks"] + manifest.get("pending", []):
             known.update((e["path"], e["offsets"], e.get("keys")))
-    for name in os.listdir(root):
-        if fmt.TMP_MARK in name:
-            os.unlink(os.path.join(root, name))
-    blocks = os.path.join(root, fmt.BLOCK_DIR)
-    if os.path.isdir(blocks):
-        for name in os.listdir(blocks):
-            if fmt.TMP_MARK in name or f"{fmt.BLOCK_DIR}/{name}" not in known:
-                os.unlink(os.path.join(blocks, name))
+    for name in storage.listdir(""):
+        if TMP_MARK in name:
+            storage.delete(name)
+    for name in storage.listdir(fmt.BLOCK_DIR):
+        if TMP_MARK in name or f"{fmt.BLOCK_DIR}/{name}" not in known:
+            storage.delete(f"{fmt.BLOCK_DIR}/{name}")
 
 
-def _check_output(root: str) -> None:
+def _check_output(storage: Storage) -> None:
     allowed = {fmt.MANIFEST_NAME, fmt.TOKENIZER_NAME, fmt.BLOCK_DIR, ".lock"}
-    strangers = [n for n in os.listdir(root) if n not in allowed and fmt.TMP_MARK not in n]
+    strangers = [n for n in storage.listdir("") if n not in allowed and TMP_MARK not in n]
     if strangers:
-        raise BuildError(f"output {root!r} is not empty and is not a torchcache cache "
+        raise BuildError(f"output {storage.url!r} is not empty and is not a torchcache cache "
                          f"(it holds {strangers[:5]}); choose a new or empty directory")
 
 
@@ -371,13 +368,13 @@ def build_cache(inputs: Any, output: str | os.PathLike, tokenizer: TokenizerLike
         raise ValueError(f"on_error must be 'raise' or 'skip', not {on_error!r}")
     if not isinstance(block_tokens, int) or block_tokens < 1:
         raise ValueError(f"block_tokens must be a positive int, not {block_tokens!r}")
-    if executor != "local":
-        raise ValueError(f"executor={executor!r} is not available; use executor='local'")
+    if executor not in ("local", "ray"):
+        raise ValueError(f"executor must be 'local' or 'ray', not {executor!r}")
     if num_workers is not None and num_workers < 0:
         raise ValueError(f"num_workers must be >= 0, not {num_workers}")
     kwargs = dict(text_key=text_key, block_tokens=block_tokens, num_workers=num_workers,
                   on_error=on_error, eos=eos, bos=bos, special_tokens_as_text=special_tokens_as_text,
-                  storage_options=storage_options, vocab_size=vocab_size)
+                  storage_options=storage_options, vocab_size=vocab_size, executor=executor)
     if background:
         from .handle import BuildHandle
         return BuildHandle.start(inputs, output, tokenizer, kwargs)
@@ -387,10 +384,11 @@ def build_cache(inputs: Any, output: str | os.PathLike, tokenizer: TokenizerLike
 def _build(inputs: Any, output: str | os.PathLike, tokenizer: TokenizerLike, *, text_key: str,
            block_tokens: int, num_workers: int | None, on_error: str, eos, bos,
            special_tokens_as_text: bool, storage_options: dict[str, Any] | None,
-           vocab_size: int | None = None, progress: bool = False, report: Callable[[dict], None] | None = None,
+           vocab_size: int | None = None, executor: str = "local", progress: bool = False,
+           report: Callable[[dict], None] | None = None,
            should_stop: Callable[[], bool] | None = None) -> BuildResult:
     started = time.perf_counter()
-    root = _local_output(output)
+    storage = open_storage(output, storage_options)
     resolved = resolve_inputs(inputs, storage_options)
     sources = resolved if isinstance(resolved, list) else None
     if tokenizer is None:
@@ -420,43 +418,46 @@ def _build(inputs: Any, output: str | os.PathLike, tokenizer: TokenizerLike, *, 
         "block_tokens": block_tokens,
         "inputs": [s.spec() for s in sources] if sources else [{"path": ITERABLE_PATH, "size": None}],
     }
-    os.makedirs(root, exist_ok=True)
-    lock = _lock(root)
+    storage.makedirs()
+    lock = _lock(storage)
     try:
         existing = None
-        if os.path.exists(os.path.join(root, fmt.MANIFEST_NAME)):
-            existing = fmt.read_manifest(root)
+        if storage.exists(fmt.MANIFEST_NAME):
+            existing = fmt.read_manifest(storage)
             if existing["spec"] != spec:
                 raise BuildError(
-                    f"{root!r} holds a cache built with other settings (differs in: "
+                    f"{storage.url!r} holds a cache built with other settings (differs in: "
                     f"{', '.join(_spec_diff(existing['spec'], spec))}); refusing to mix them. Use a "
                     "new output directory, or delete this one to rebuild")
         else:
-            _check_output(root)
-        _clean(root, existing)
-        state = _Manifest(root, spec, existing)
+            _check_output(storage)
+        _clean(storage, existing)
+        state = _Manifest(storage, spec, existing)
         if existing is None:
             if tok is not None:
-                _write_tokenizer(root, tok)
+                storage.write(fmt.TOKENIZER_NAME, [tok.to_str().encode()])
             state.save()
         elif existing["complete"]:
-            return _result(root, existing, started, 0)
-        job = _Job(root, None if tok is None else canonical_json(tok), bos_id, eos_id, str(dtype),
-                   text_key, block_tokens, on_error, special_tokens_as_text,
+            return _result(storage, existing, started, 0)
+        job = _Job(storage, None if tok is None else canonical_json(tok), bos_id, eos_id,
+                   str(dtype), text_key, block_tokens, on_error, special_tokens_as_text,
                    dict(storage_options or {}), vocab_size)
         todo = [i for i, p in enumerate(state.progress) if not p["done"]]
         bar = _ProgressBar(spec["inputs"], state, enabled=progress)
         try:
             workers = min(len(todo), (os.cpu_count() or 1) if num_workers is None else num_workers)
-            if sources is None or workers <= 1 or any(s.process_local for s in sources):
+            if executor == "ray":
+                from .ray_executor import run_ray
+                built = run_ray(job, sources, todo, state, bar, report, should_stop, num_workers)
+            elif sources is None or workers <= 1 or any(s.process_local for s in sources):
                 built = _run_inline(job, sources or [resolved], todo, state, bar, report, should_stop)
             else:
                 built = _run_pool(job, sources, todo, state, workers, bar, report, should_stop)
         finally:
             bar.close()
-        return _result(root, state.document(), started, built)
+        return _result(storage, state.document(), started, built)
     finally:
-        os.close(lock)
+        lock.release()
 
 
 def _plain_token_id(token: Any, role: str, vocab_size: int | None) -> int | None:
@@ -470,27 +471,8 @@ def _plain_token_id(token: Any, role: str, vocab_size: int | None) -> int | None
     return int(token)
 
 
-def _local_output(output: str | os.PathLike) -> str:
-    out = os.fspath(output)
-    if out.startswith("file://"):
-        out = out[len("file://"):]
-    elif "://" in out:
-        raise ValueError(f"output {out!r}: only local output directories are supported for now")
-    return os.path.abspath(out)
-
-
-def _write_tokenizer(root: str, tok) -> None:
-    path = os.path.join(root, fmt.TOKENIZER_NAME)
-    tmp = path + fmt.TMP_MARK + str(os.getpid())
-    with open(tmp, "w", encoding="utf-8") as f:
-        f.write(tok.to_str())
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-
-
-def _result(root: str, manifest: dict, started: float, built: int) -> BuildResult:
-    return BuildResult(root, manifest["num_tokens"], manifest["num_documents"],
+def _result(storage: Storage, manifest: dict, started: float, built: int) -> BuildResult:
+    return BuildResult(storage.url, manifest["num_tokens"], manifest["num_documents"],
                        len(manifest["blocks"]), dict(manifest["skipped"]), manifest["fingerprint"],
                        time.perf_counter() - started, built)
 

@@ -1,7 +1,7 @@
 """Cache format v1: block files, offset sidecars and the manifest (see docs/format.md).
 
 Everything on disk is safetensors or JSON: opening a cache never unpickles anything. Files are
-written under a temporary name, fsynced and renamed, so a reader never sees a partial file.
+written through a Storage (see storage.py), so a reader never sees a partial file.
 """
 
 from __future__ import annotations
@@ -16,12 +16,13 @@ from typing import Any, BinaryIO
 
 import numpy as np
 
+from .storage import TMP_MARK, Storage, open_storage
+
 FORMAT_NAME = "torchcache"
 FORMAT_VERSION = 1
 MANIFEST_NAME = "manifest.json"
 TOKENIZER_NAME = "tokenizer.json"
 BLOCK_DIR = "blocks"
-TMP_MARK = ".tmp-"
 
 _DTYPES = {"U16": np.dtype("<u2"), "U32": np.dtype("<u4"), "I64": np.dtype("<i8")}
 _DTYPE_NAMES = {v: k for k, v in _DTYPES.items()}
@@ -70,40 +71,24 @@ class WrittenFile:
     checksum: str
 
 
-def write_tensor_file(directory: str, rel_path: str, name: str, array: np.ndarray,
+def write_tensor_file(storage: "Storage", rel_path: str, name: str, array: np.ndarray,
                       metadata: dict[str, str]) -> WrittenFile:
-    """Write a one-tensor safetensors file durably (tmp, fsync, rename) and return its checksum."""
-    final = os.path.join(directory, rel_path)
-    tmp = f"{final}{TMP_MARK}{os.getpid()}"
+    """Write a one-tensor safetensors file so that it appears whole or not at all."""
     head, _ = safetensors_bytes(name, array, metadata)
     data = np.ascontiguousarray(array).astype(array.dtype.newbyteorder("<"), copy=False)
-    digest = hashlib.sha256(head)
-    digest.update(memoryview(data).cast("B"))
-    os.makedirs(os.path.dirname(final), exist_ok=True)
-    with open(tmp, "wb") as f:
-        f.write(head)
-        f.write(memoryview(data).cast("B"))
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, final)
-    return WrittenFile(rel_path, len(head) + data.nbytes, "sha256:" + digest.hexdigest())
+    size, checksum = storage.write(rel_path, [head, memoryview(data).cast("B")])
+    return WrittenFile(rel_path, size, checksum)
 
 
 def keys_name(block_path: str) -> str:
     return block_path[: -len(".safetensors")] + ".keys.json"
 
 
-def write_keys_file(directory: str, rel_path: str, keys: list[str | None]) -> WrittenFile:
-    """Write a block's document keys (a JSON list of strings) durably, like a tensor file."""
+def write_keys_file(storage: "Storage", rel_path: str, keys: list[str | None]) -> WrittenFile:
+    """Write a block's document keys (a JSON list of strings), like a tensor file."""
     data = json.dumps(keys, ensure_ascii=False, separators=(",", ":")).encode() + b"\n"
-    final = os.path.join(directory, rel_path)
-    tmp = f"{final}{TMP_MARK}{os.getpid()}"
-    with open(tmp, "wb") as f:
-        f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, final)
-    return WrittenFile(rel_path, len(data), "sha256:" + hashlib.sha256(data).hexdigest())
+    size, checksum = storage.write(rel_path, [data])
+    return WrittenFile(rel_path, size, checksum)
 
 
 @dataclass(frozen=True)
@@ -166,34 +151,15 @@ def safe_join(root: str, rel_path: str) -> str:
     return os.path.join(root, *norm.split("/"))
 
 
-def write_json_atomic(path: str, obj: Any) -> None:
-    """Replace a JSON file atomically and durably (readers see the old or the new one, whole)."""
-    tmp = f"{path}{TMP_MARK}{os.getpid()}"
-    data = json.dumps(obj, indent=1, sort_keys=True).encode() + b"\n"
-    with open(tmp, "wb") as f:
-        f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-    fsync_dir(os.path.dirname(path) or ".")
-
-
-def fsync_dir(path: str) -> None:
-    fd = os.open(path, os.O_RDONLY)
+def read_manifest(root: "str | Storage") -> dict[str, Any]:
+    """The manifest of a cache (a local path or a Storage), checked for format and version."""
+    storage = open_storage(root) if isinstance(root, (str, os.PathLike)) else root
+    path = f"{storage.url}/{MANIFEST_NAME}"
     try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def read_manifest(root: str) -> dict[str, Any]:
-    path = os.path.join(root, MANIFEST_NAME)
-    try:
-        with open(path, "rb") as f:
-            manifest = json.loads(f.read())
+        manifest = json.loads(storage.read(MANIFEST_NAME))
     except FileNotFoundError:
         raise FileNotFoundError(
-            f"{path}: no manifest; {root!r} is not a torchcache cache (or its build has not "
+            f"{path}: no manifest; {storage.url!r} is not a torchcache cache (or its build has not "
             "committed anything yet)") from None
     except ValueError as e:
         raise CacheFormatError(f"{path}: manifest is not valid JSON ({e})") from None

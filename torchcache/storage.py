@@ -1,0 +1,264 @@
+"""Where a cache lives: a local directory, or any fsspec URL (s3://, gs://, memory://...).
+
+Local files are written under a temporary name, fsynced and renamed. Object stores have no atomic
+rename, so there each file is written in one put; a block only becomes visible to readers through
+the manifest, which is itself written in one put, last.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import hashlib
+import json
+import os
+import socket
+import threading
+import time
+import uuid
+from typing import Any, Iterable
+
+TMP_MARK = ".tmp-"
+
+
+def is_remote(url: str | os.PathLike) -> bool:
+    url = os.fspath(url)
+    return "://" in url and not url.startswith("file://")
+
+
+def open_storage(url: str | os.PathLike, storage_options: dict[str, Any] | None = None) -> "Storage":
+    url = os.fspath(url)
+    if is_remote(url):
+        return RemoteStorage(url, storage_options or {})
+    if url.startswith("file://"):
+        url = url[len("file://"):]
+    return LocalStorage(os.path.abspath(url))
+
+
+class Storage:
+    """The few file operations a cache needs, by path relative to the cache root."""
+
+    url: str
+
+    def write(self, rel: str, parts: Iterable[bytes | memoryview]) -> tuple[int, str]:
+        """Write a whole file so that it appears complete or not at all; (size, sha256 checksum)."""
+        raise NotImplementedError
+
+    def write_json(self, rel: str, obj: Any) -> None:
+        data = json.dumps(obj, indent=1, sort_keys=True).encode() + b"\n"
+        self.write(rel, [data])
+
+    def read(self, rel: str) -> bytes:
+        raise NotImplementedError
+
+    def exists(self, rel: str) -> bool:
+        raise NotImplementedError
+
+    def listdir(self, rel: str) -> list[str]:
+        """File names directly inside `rel` (empty if it does not exist)."""
+        raise NotImplementedError
+
+    def delete(self, rel: str) -> None:
+        raise NotImplementedError
+
+    def lock(self) -> "Lock":
+        raise NotImplementedError
+
+
+def _digest(parts: list) -> tuple[int, str]:
+    digest, size = hashlib.sha256(), 0
+    for part in parts:
+        digest.update(part)
+        size += len(part)
+    return size, "sha256:" + digest.hexdigest()
+
+
+class LocalStorage(Storage):
+    def __init__(self, root: str):
+        self.root = self.url = root
+
+    def _path(self, rel: str) -> str:
+        return os.path.join(self.root, *rel.split("/")) if rel else self.root
+
+    def write(self, rel: str, parts: Iterable[bytes | memoryview]) -> tuple[int, str]:
+        parts = list(parts)
+        final = self._path(rel)
+        os.makedirs(os.path.dirname(final), exist_ok=True)
+        tmp = f"{final}{TMP_MARK}{os.getpid()}"
+        with open(tmp, "wb") as f:
+            for part in parts:
+                f.write(part)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, final)
+        if rel == MANIFEST:
+            _fsync_dir(self.root)
+        return _digest(parts)
+
+    def read(self, rel: str) -> bytes:
+        with open(self._path(rel), "rb") as f:
+            return f.read()
+
+    def exists(self, rel: str) -> bool:
+        return os.path.exists(self._path(rel))
+
+    def listdir(self, rel: str) -> list[str]:
+        path = self._path(rel)
+        return sorted(os.listdir(path)) if os.path.isdir(path) else []
+
+    def delete(self, rel: str) -> None:
+        try:
+            os.unlink(self._path(rel))
+        except FileNotFoundError:
+            pass
+
+    def makedirs(self) -> None:
+        os.makedirs(self.root, exist_ok=True)
+
+    def lock(self) -> "Lock":
+        return _FileLock(os.path.join(self.root, ".lock"))
+
+
+class RemoteStorage(Storage):
+    """A cache under an fsspec URL; `storage_options` go to the filesystem (credentials...)."""
+
+    def __init__(self, url: str, storage_options: dict[str, Any]):
+        import fsspec
+        self.url = url.rstrip("/")
+        self.storage_options = dict(storage_options)
+        self.fs, self.root = fsspec.core.url_to_fs(self.url, **self.storage_options)
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {"url": self.url, "storage_options": self.storage_options}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__init__(state["url"], state["storage_options"])
+
+    def _path(self, rel: str) -> str:
+        return f"{self.root}/{rel}" if rel else self.root
+
+    def write(self, rel: str, parts: Iterable[bytes | memoryview]) -> tuple[int, str]:
+        parts = [bytes(p) for p in parts]
+        self.fs.pipe_file(self._path(rel), b"".join(parts))  # one put: whole or nothing
+        return _digest(parts)
+
+    def read(self, rel: str) -> bytes:
+        return self.fs.cat_file(self._path(rel))
+
+    def exists(self, rel: str) -> bool:
+        self.fs.invalidate_cache()
+        return self.fs.exists(self._path(rel))
+
+    def listdir(self, rel: str) -> list[str]:
+        self.fs.invalidate_cache()
+        try:
+            entries = self.fs.ls(self._path(rel), detail=False)
+        except FileNotFoundError:
+            return []
+        return sorted(e.rstrip("/").rpartition("/")[2] for e in entries)
+
+    def delete(self, rel: str) -> None:
+        try:
+            self.fs.rm_file(self._path(rel))
+        except FileNotFoundError:
+            pass
+
+    def makedirs(self) -> None:
+        try:
+            self.fs.makedirs(self.root, exist_ok=True)
+        except Exception:  # object stores have no directories; a bucket that is missing fails later, clearly
+            pass
+
+    def lock(self) -> "Lock":
+        return _LeaseLock(self)
+
+
+MANIFEST = "manifest.json"
+
+
+def _fsync_dir(path: str) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+class Lock:
+    """Exclusive right to build into a cache; `acquire()` raises RuntimeError if it is taken."""
+
+    def acquire(self) -> None:
+        raise NotImplementedError
+
+    def release(self) -> None:
+        raise NotImplementedError
+
+
+class _FileLock(Lock):
+    """flock on a local file: a crashed builder releases it by dying."""
+
+    def __init__(self, path: str):
+        self.path, self.fd = path, None
+
+    def acquire(self) -> None:
+        fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            os.close(fd)
+            raise RuntimeError("locked") from None
+        self.fd = fd
+
+    def release(self) -> None:
+        if self.fd is not None:
+            os.close(self.fd)
+            self.fd = None
+
+
+class _LeaseLock(Lock):
+    """A lease object renewed by a heartbeat thread: a crashed builder's lease simply expires.
+
+    Object stores offer no flock; two builders starting within the same instant could both
+    believe they won, so the winner is re-read after writing and the later writer backs off.
+    """
+
+    TTL = 60.0
+
+    def __init__(self, storage: RemoteStorage, ttl: float | None = None):
+        self.storage, self.ttl = storage, ttl or self.TTL
+        self.owner = f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:8]}"
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    def _current(self) -> dict | None:
+        try:
+            return json.loads(self.storage.read(".lock"))
+        except (FileNotFoundError, ValueError):
+            return None
+
+    def _write(self) -> None:
+        self.storage.write(".lock", [json.dumps({"owner": self.owner,
+                                                 "expires": time.time() + self.ttl}).encode()])
+
+    def acquire(self) -> None:
+        held = self._current()
+        if held and held.get("owner") != self.owner and held.get("expires", 0) > time.time():
+            raise RuntimeError("locked")
+        self._write()
+        time.sleep(0.2)
+        held = self._current()
+        if not held or held.get("owner") != self.owner:
+            raise RuntimeError("locked")
+        self._thread = threading.Thread(target=self._heartbeat, daemon=True, name="torchcache-lease")
+        self._thread.start()
+
+    def _heartbeat(self) -> None:
+        while not self._stop.wait(self.ttl / 3):
+            self._write()
+
+    def release(self) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join()
+            self._thread = None
+            if (self._current() or {}).get("owner") == self.owner:
+                self.storage.delete(".lock")
