@@ -268,6 +268,8 @@ class _Manifest:
                 blocks.sort(key=lambda e: e["index"])
 
     def add_block(self, index: int, entry: dict, progress: dict) -> None:
+        if entry["index"] < len(self.finished[index]):
+            return  # reported again by a retried task: the same block, already recorded
         self.finished[index].append(entry)
         self.progress[index].update(progress)
 

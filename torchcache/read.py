@@ -2,13 +2,17 @@
 
 from __future__ import annotations
 
+import fcntl
+import hashlib
 import os
+import time
 from collections import OrderedDict
 from typing import Any
 
 import numpy as np
 
 from . import format as fmt
+from .storage import TMP_MARK, RemoteStorage, is_remote, open_storage
 
 _MAX_OPEN_FILES = 64
 _MAX_CACHED_OFFSETS = 64
@@ -32,18 +36,25 @@ class TokenCache:
     arrays. `refresh()` picks up blocks committed since it was opened.
     """
 
-    def __init__(self, path: str | os.PathLike, *, verify_checksums: bool = False):
-        root = os.fspath(path)
-        if root.startswith("file://"):
-            root = root[len("file://"):]
-        elif "://" in root:
-            raise ValueError(f"{root!r}: only local caches can be read for now")
-        self.root = os.path.abspath(root)
+    def __init__(self, path: str | os.PathLike, *, verify_checksums: bool = False,
+                 storage_options: dict[str, Any] | None = None, local_dir: str | None = None):
+        url = os.fspath(path)
         self.verify_checksums = verify_checksums
         self._files: OrderedDict[int, _Block] = OrderedDict()
         self._offsets: OrderedDict[int, np.ndarray] = OrderedDict()
         self._pid = os.getpid()
-        self._load(fmt.read_manifest(self.root))
+        if is_remote(url):
+            self._remote: RemoteStorage | None = RemoteStorage(url, storage_options or {})
+            self.url = self._remote.url
+            manifest = fmt.read_manifest(self._remote)
+            base = local_dir or os.environ.get("TORCHCACHE_LOCAL_DIR") or os.path.join(
+                os.path.expanduser("~"), ".cache", "torchcache", "remote")
+            self.root = os.path.abspath(os.path.join(base, manifest["fingerprint"]))
+        else:
+            self._remote = None
+            self.root = self.url = open_storage(url).url
+            manifest = fmt.read_manifest(self.root)
+        self._load(manifest)
 
     # ------------------------------------------------------------ manifest
     def _load(self, manifest: dict[str, Any]) -> None:
@@ -70,14 +81,14 @@ class TokenCache:
 
     def refresh(self) -> bool:
         """Re-read the manifest; True if new blocks were committed since the last look."""
-        manifest = fmt.read_manifest(self.root)
+        manifest = fmt.read_manifest(self._remote or self.root)
         if manifest["fingerprint"] != self.fingerprint:
-            raise fmt.CacheFormatError(f"{self.root}: the cache was replaced by a different one "
+            raise fmt.CacheFormatError(f"{self.url}: the cache was replaced by a different one "
                                        "while it was open; reopen it")
         known = len(self._paths)
         new_paths = [(b["path"], b["offsets"]) for b in manifest["blocks"][:known]]
         if new_paths != self._paths:
-            raise fmt.CacheFormatError(f"{self.root}: committed blocks changed under the reader; "
+            raise fmt.CacheFormatError(f"{self.url}: committed blocks changed under the reader; "
                                        "the cache was rebuilt while open; reopen it")
         grew = len(manifest["blocks"]) > known or manifest["complete"] != self.complete
         self._load(manifest)
@@ -114,7 +125,7 @@ class TokenCache:
 
     def __repr__(self) -> str:
         state = "complete" if self.complete else "building"
-        return (f"TokenCache({self.root!r}, {self.num_tokens:,} tokens, {self.num_documents:,} "
+        return (f"TokenCache({self.url!r}, {self.num_tokens:,} tokens, {self.num_documents:,} "
                 f"documents, {self.num_blocks} blocks, {state})")
 
     # ------------------------------------------------------------ pickling: paths and small arrays only
@@ -156,14 +167,12 @@ class TokenCache:
         return block
 
     def _open_block(self, b: int) -> _Block:
-        path = fmt.safe_join(self.root, self._paths[b][0])
-        if self.verify_checksums:
-            self._verify_file(path, self._checksums[b][0])
+        path = self._file(self._paths[b][0], self._checksums[b][0])
         try:
             fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
         except FileNotFoundError:
             raise fmt.CacheFormatError(f"{path}: block file is missing; run `torchcache verify "
-                                       f"{self.root}`") from None
+                                       f"{self.url}`") from None
         try:
             with os.fdopen(os.dup(fd), "rb") as f:
                 header = fmt.read_tensor_header(f, path, "tokens", os.fstat(fd).st_size)
@@ -176,6 +185,17 @@ class TokenCache:
             os.close(fd)
             raise
         return _Block(fd, header.data_start, header.length)
+
+    def _file(self, rel: str, checksum: str | None) -> str:
+        """Local path of a cache file; for a remote cache, copied here once and verified first."""
+        path = fmt.safe_join(self.root, rel)
+        if self._remote is None:
+            if self.verify_checksums and checksum is not None:
+                self._verify_file(path, checksum)
+            return path
+        if not os.path.exists(path):
+            _download(self._remote, rel, path, checksum)
+        return path
 
     @staticmethod
     def _verify_file(path: str, checksum: str) -> None:
@@ -193,9 +213,7 @@ class TokenCache:
         if cached is not None:
             self._offsets.move_to_end(b)
             return cached
-        path = fmt.safe_join(self.root, self._paths[b][1])
-        if self.verify_checksums:
-            self._verify_file(path, self._checksums[b][1])
+        path = self._file(self._paths[b][1], self._checksums[b][1])
         try:
             offsets = fmt.read_tensor_file(path, "offsets")
         except FileNotFoundError:
@@ -330,9 +348,7 @@ class TokenCache:
         b = int(np.searchsorted(self._doc_starts, i, side="right")) - 1
         if self._keys[b] is None:
             return None
-        path = fmt.safe_join(self.root, self._keys[b][0])
-        if self.verify_checksums:
-            self._verify_file(path, self._keys[b][1])
+        path = self._file(*self._keys[b])
         import json
         try:
             with open(path, "rb") as f:
@@ -362,27 +378,69 @@ class TokenCache:
         """The tokenizer the cache was built with (stored in the cache directory)."""
         from tokenizers import Tokenizer
         if self.spec["tokenizer"] is None:
-            raise ValueError(f"{self.root} was converted from pre-tokenized data and has no "
+            raise ValueError(f"{self.url} was converted from pre-tokenized data and has no "
                              "tokenizer; read token ids instead (e.g. `torchcache show --ids`)")
-        return Tokenizer.from_file(os.path.join(self.root, fmt.TOKENIZER_NAME))
+        return Tokenizer.from_file(self._file(fmt.TOKENIZER_NAME, None))
 
     def decode(self, ids, skip_special_tokens: bool = False) -> str:
         return self.tokenizer().decode([int(x) for x in ids], skip_special_tokens=skip_special_tokens)
 
 
-def verify_cache(path: str | os.PathLike) -> list[str]:
-    """Recompute every checksum and header check; return one message per bad file (empty = ok)."""
-    cache = TokenCache(path)
+def _download(storage: RemoteStorage, rel: str, path: str, checksum: str | None,
+              attempts: int = 3) -> None:
+    """Copy one remote file to `path`, verified by checksum, exactly once per machine.
+
+    An flock on a sibling lock file makes DataLoader workers and ranks that need the same file
+    wait for one download instead of repeating it; the copy is renamed into place only once
+    complete and verified, so nobody ever reads a partial one.
+    """
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    with open(path + ".lock", "a+b") as lock:
+        fcntl.flock(lock.fileno(), fcntl.LOCK_EX)
+        if os.path.exists(path):
+            return
+        problem = ""
+        for attempt in range(attempts):
+            try:
+                data = storage.read(rel)
+            except FileNotFoundError:
+                raise fmt.CacheFormatError(f"{storage.url}/{rel}: missing from the remote cache; "
+                                           "run `torchcache verify` on it") from None
+            except Exception as e:  # network trouble: try again, then report it
+                problem = f"{type(e).__name__}: {e}"
+                time.sleep(0.2 * (attempt + 1))
+                continue
+            actual = "sha256:" + hashlib.sha256(data).hexdigest()
+            if checksum is not None and actual != checksum:
+                problem = f"checksum mismatch (got {actual[:19]}..., manifest says {checksum[:19]}...)"
+                continue
+            tmp = f"{path}{TMP_MARK}{os.getpid()}"
+            with open(tmp, "wb") as f:
+                f.write(data)
+                f.flush()
+                os.fsync(f.fileno())
+            os.replace(tmp, path)
+            return
+        raise fmt.CacheFormatError(f"{storage.url}/{rel}: download failed {attempts} times "
+                                   f"({problem}); the remote file is corrupted or unreachable")
+
+
+def verify_cache(path: str | os.PathLike, storage_options: dict[str, Any] | None = None,
+                 local_dir: str | None = None) -> list[str]:
+    """Recompute every checksum and header check; return one message per bad file (empty = ok).
+
+    For a remote cache, files are checked as they are copied locally (a bad one is reported).
+    """
+    cache = TokenCache(path, storage_options=storage_options, local_dir=local_dir)
     problems = []
-    manifest = fmt.read_manifest(cache.root)
+    manifest = fmt.read_manifest(cache._remote or cache.root)
     for b, entry in enumerate(manifest["blocks"] + manifest.get("pending", [])):
         files = [(entry["path"], entry["checksum"]), (entry["offsets"], entry["offsets_checksum"])]
         if "keys" in entry:
             files.append((entry["keys"], entry["keys_checksum"]))
         for rel, checksum in files:
-            full = fmt.safe_join(cache.root, rel)
             try:
-                TokenCache._verify_file(full, checksum)
+                TokenCache._verify_file(cache._file(rel, checksum), checksum)
             except fmt.CacheFormatError as e:
                 problems.append(str(e))
     for b in range(cache.num_blocks):

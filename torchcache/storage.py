@@ -122,10 +122,21 @@ class RemoteStorage(Storage):
     """A cache under an fsspec URL; `storage_options` go to the filesystem (credentials...)."""
 
     def __init__(self, url: str, storage_options: dict[str, Any]):
-        import fsspec
         self.url = url.rstrip("/")
         self.storage_options = dict(storage_options)
-        self.fs, self.root = fsspec.core.url_to_fs(self.url, **self.storage_options)
+        self._connect()
+
+    def _connect(self) -> None:
+        import fsspec
+        self._fs, self.root = fsspec.core.url_to_fs(self.url, **self.storage_options)
+        self._pid = os.getpid()
+
+    @property
+    def fs(self):
+        """The filesystem, re-created after a fork (clients like s3fs are not fork-safe)."""
+        if self._pid != os.getpid():
+            self._connect()
+        return self._fs
 
     def __getstate__(self) -> dict[str, Any]:
         return {"url": self.url, "storage_options": self.storage_options}

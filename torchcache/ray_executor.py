@@ -1,0 +1,68 @@
+"""Builds on Ray: the same per-input work function as the local pool, run as Ray generator tasks.
+
+Each input is one task that streams its events (finished blocks, progress) back to the driver,
+which commits blocks in the same deterministic order as a local build, so the cache is
+byte-for-byte the same. Outputs must be reachable from every node: an fsspec URL (s3://, gs://)
+or a shared filesystem. Ray retries a task whose worker or node dies; a retried task starts over
+from its input's resume point and the driver ignores blocks it already has.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Iterator
+
+from .build import BuildError, InputError, _apply, _save, build_input
+
+_MAX_RETRIES = 3
+
+
+def _build_input_task(job, index: int, source, start: dict) -> Iterator[tuple]:
+    try:
+        yield from build_input(job, index, source, start)
+    except InputError as e:  # bad input is not worth retrying: report it like a local worker does
+        yield ("error", index, "input", str(e))
+
+
+def run_ray(job, sources, todo: list[int], state, bar, report, should_stop,
+            num_workers: int | None) -> int:
+    """Run the inputs `todo` on Ray (connecting to a running cluster, or starting a local one)."""
+    try:
+        import ray
+    except ImportError:
+        raise ImportError("executor='ray' needs Ray: `pip install torchcache-lm[ray]`") from None
+    if sources is None or any(s.process_local for s in sources):
+        raise ValueError("executor='ray' needs file inputs that every node can read (paths on a "
+                         "shared filesystem or fsspec URLs), not an iterable or memory:// inputs")
+    if not ray.is_initialized():
+        ray.init(num_cpus=num_workers, log_to_driver=False)
+    task = ray.remote(_build_input_task).options(max_retries=_MAX_RETRIES,
+                                                 retry_exceptions=[OSError, ConnectionError])
+    running = {task.remote(job, i, sources[i], dict(state.progress[i])): i for i in todo}
+    built = 0
+    try:
+        while running:
+            ready, _ = ray.wait(list(running), num_returns=1, timeout=0.5)
+            if should_stop and should_stop():
+                raise BuildError("build cancelled; committed blocks are kept and a re-run resumes")
+            changed = False
+            try:
+                for gen in ready:
+                    try:
+                        event = ray.get(next(gen))
+                    except StopIteration:
+                        del running[gen]
+                        continue
+                    except ray.exceptions.RayError as e:
+                        raise BuildError(f"building input {sources[running[gen]].path} failed on "
+                                         f"Ray after {_MAX_RETRIES} retries: {e}; committed blocks "
+                                         "are kept and a re-run resumes") from None
+                    changed |= _apply(event, state, bar)
+                    if event[0] == "progress":
+                        built += event[3]
+            finally:
+                if changed:
+                    _save(state, report)
+    finally:
+        for gen in running:
+            ray.cancel(gen, force=True)
+    return built
