@@ -76,18 +76,19 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--resume", action="store_true", help="continue from OUT/checkpoint.pt if present")
     p.add_argument("--batch-size", type=int, default=8, help="global batch (split across processes)")
     p.add_argument("--seq-len", type=int, default=64)
+    p.add_argument("--block-tokens", type=int, default=1 << 16, help="cache block size (tokens)")
     p.add_argument("--num-workers", type=int, default=0, help="DataLoader worker processes per rank")
     p.add_argument("--lr", type=float, default=1e-3)
     p.add_argument("--seed", type=int, default=0, help="model init and data order")
     return p.parse_args()
 
 
-def build(out: Path, data: str) -> Path:
+def build(out: Path, data: str, block_tokens: int) -> Path:
     """Tokenize `data` into OUT/cache once; re-running a finished build is a cheap no-op."""
     tokenizer = out / "gpt2-tokenizer.json"
     if not tokenizer.exists():
         tokenizer.write_bytes(gzip.decompress((DATA / "gpt2-tokenizer.json.gz").read_bytes()))
-    tc.build_cache(data, out / "cache", str(tokenizer), block_tokens=1 << 16, progress=False)
+    tc.build_cache(data, out / "cache", str(tokenizer), block_tokens=block_tokens, progress=False)
     return out / "cache"
 
 
@@ -111,7 +112,7 @@ def main() -> None:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     if rank == 0:
-        build(out, args.data)
+        build(out, args.data, args.block_tokens)
     if distributed:
         dist.barrier()  # the other ranks wait for rank 0's build
 

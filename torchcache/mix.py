@@ -47,6 +47,7 @@ import numpy as np
 from torch.utils.data import Dataset
 
 from torchcache._permutation import PERMUTATION_ALGORITHM, Permutation, derive_key
+from torchcache.sample import _int_arg
 
 __all__ = ["MixtureDataset", "MIXTURE_ALGORITHM"]
 
@@ -55,18 +56,6 @@ MIXTURE_ALGORITHM = "mixture-largest-remainder-v1"
 
 _BLOCK_CACHE = 64  # per-block (totals, layout, permutation) entries kept
 _PERM_CACHE = 64  # per-(source, epoch) permutations kept
-
-
-def _int_arg(value: Any, name: str, minimum: int) -> int:
-    if isinstance(value, (bool, np.bool_)):
-        raise TypeError(f"{name} must be an integer, got {value!r}")
-    try:
-        value = operator.index(value)
-    except TypeError:
-        raise TypeError(f"{name} must be an integer, got {type(value).__name__}") from None
-    if value < minimum:
-        raise ValueError(f"{name} must be >= {minimum}, got {value}")
-    return value
 
 
 def _fraction(value: Any, what: str) -> Fraction:
