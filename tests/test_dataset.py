@@ -130,3 +130,23 @@ def test_shuffled_loader_over_a_real_cache_resumes_exactly(cache_path):
 def _forever(loader):
     while True:
         yield from loader
+
+
+@pytest.mark.parametrize("options", [{}, {"labels": "same"},
+                                     {"document_boundaries": True, "max_segments": 32}])
+def test_compact_transfer_from_workers_gives_identical_batches(cache_path, options):
+    ds = tc.TokenDataset(cache_path, 32, **options)
+
+    def batches(compact):
+        loader = tc.DataLoader(ds, batch_size=8, sampler=tc.DistributedSampler(ds, seed=4),
+                               num_workers=2, compact_transfer=compact)
+        return [b for _, b in zip(range(12), loader)], loader
+
+    plain, _ = batches(False)
+    compact, loader = batches(True)
+    assert loader.dataset is not ds and loader.dataset._compact_in_workers
+    assert not ds._compact_in_workers and set(ds[0]) >= {"input_ids", "labels"}
+    for a, b in zip(plain, compact):
+        assert a.keys() == b.keys()
+        for key in a:
+            assert a[key].dtype == b[key].dtype and torch.equal(a[key], b[key]), key

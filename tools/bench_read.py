@@ -1,0 +1,281 @@
+"""Read-side throughput, resume latency, worker RSS and pickled size, in one run on one machine.
+
+    python tools/bench_read.py [--cache runs/bench-cache] [--corpus DIR] [--tokenizer tokenizer.json]
+                               [--quick]
+
+Builds (once; a re-run is a no-op) a GPT-2 cache of the Gutenberg corpus, then measures against a
+raw baseline: a plain ``torch.utils.data.Dataset`` over an ``np.memmap`` of the same tokens, with
+``RandomSampler`` and torch's ``DataLoader`` (batch 16, seq 2048, default collate):
+
+1. samples/s of ``tc.DataLoader(tc.TokenDataset(cache, 2048), batch_size=16, sampler=
+   tc.DistributedSampler(ds, seed=0), num_workers=2)`` against the raw baseline with 2 workers;
+2. the raw baseline with ``num_workers=0`` (reference);
+3. the fast mode (``num_workers=0, prefetch_batches=4``) against the raw 2-worker baseline, plus
+   a check that it overlaps reads with a (simulated, GIL-free) training step;
+4. time to first batch after ``load_state_dict`` at consumed = 0 and 10**12;
+5. worker RSS over a long run (and the main process's in fast mode);
+6. ``len(pickle.dumps(dataset))``.
+
+Throughput is timed over a fixed number of batches after the first one (worker start-up
+excluded), in interleaved rounds (the machine is shared: only same-run ratios count). Each round
+times the raw 2-worker baseline before and after the other configurations; a ratio is the median
+over rounds of the configuration's rate over the mean of its round's two baseline rates.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import os
+import pickle
+import statistics
+import sys
+import time
+
+import numpy as np
+import psutil
+import torch
+import torch.utils.data as tud
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+import torchcache as tc  # noqa: E402
+
+SHARED = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "shared", "data")
+SEQ, BATCH, WORKERS, PREFETCH = 2048, 16, 2, 4
+
+
+class RawDataset(tud.Dataset):
+    """The baseline: windows of a flat uint16 token file through np.memmap (opened per process)."""
+
+    def __init__(self, path: str, seq_len: int) -> None:
+        self.path, self.seq_len = path, seq_len
+        self.n = (os.path.getsize(path) // 2 - 1) // seq_len
+        self.tokens = None
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitem__(self, s: int) -> dict[str, torch.Tensor]:
+        if self.tokens is None:
+            self.tokens = np.memmap(self.path, dtype=np.uint16, mode="r")
+        window = self.tokens[s * self.seq_len:s * self.seq_len + self.seq_len + 1]
+        return {"input_ids": torch.from_numpy(window[:-1].astype(np.int64)),
+                "labels": torch.from_numpy(window[1:].astype(np.int64))}
+
+
+def flat_tokens(cache: tc.TokenCache, cache_dir: str) -> str:
+    """The cache's token stream as one flat uint16 file (written once, next to the cache)."""
+    path = f"{cache_dir.rstrip('/')}.{cache.fingerprint[:16]}.tokens.bin"
+    if not os.path.exists(path) or os.path.getsize(path) != cache.num_tokens * 2:
+        tokens = cache.read(0, cache.num_tokens)
+        assert tokens.dtype == np.uint16
+        tokens.tofile(path + ".tmp")
+        os.replace(path + ".tmp", path)
+    return path
+
+
+# -- loaders -------------------------------------------------------------------------------------
+
+def raw_loader(raw: RawDataset, workers: int) -> tud.DataLoader:
+    return tud.DataLoader(raw, batch_size=BATCH, sampler=tud.RandomSampler(raw), num_workers=workers)
+
+
+def tc_loader(ds, workers: int, prefetch: int = 0, **sampler_kw) -> tc.DataLoader:
+    return tc.DataLoader(ds, batch_size=BATCH, sampler=tc.DistributedSampler(ds, seed=0, **sampler_kw),
+                         num_workers=workers, prefetch_batches=prefetch)
+
+
+def samples_per_s(loader, batches: int, step_s: float = 0.0) -> float:
+    """Samples/s over ``batches`` batches after the first (worker start-up excluded)."""
+    it = iter(loader)
+    next(it)
+    start = time.perf_counter()
+    for _ in range(batches):
+        next(it)
+        if step_s:
+            time.sleep(step_s)  # a GIL-free "training step" (like waiting for the GPU)
+    elapsed = time.perf_counter() - start
+    del it
+    gc.collect()
+    return batches * BATCH / elapsed
+
+
+class NoData:
+    """A "loader" of empty batches: times the step alone."""
+
+    def __iter__(self):
+        return iter(lambda: None, 0)
+
+
+def first_batch_s(loader, consumed: int) -> tuple[float, torch.Tensor]:
+    state = loader.state_dict()
+    state["consumed"] = consumed
+    start = time.perf_counter()
+    loader.load_state_dict(state)
+    it = iter(loader)
+    batch = next(it)
+    elapsed = time.perf_counter() - start
+    del it
+    gc.collect()
+    return elapsed, batch["input_ids"]
+
+
+def rss_run(loader, batches: int, every: int, workers: bool) -> list[list[float]]:
+    """RSS in MB after every ``every`` batches (the first ``every`` are warm-up): per worker, or ours."""
+    it = iter(loader)
+    samples = []
+    for j in range(1, batches + 1):
+        next(it)
+        if j % every == 0:
+            procs = [psutil.Process(w.pid) for w in it._workers] if workers else [psutil.Process()]
+            samples.append([p.memory_info().rss / 2 ** 20 for p in procs])
+    del it
+    gc.collect()
+    return samples
+
+
+def med(xs: list[float]) -> float:
+    return statistics.median(xs)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--cache", default="runs/bench-cache")
+    p.add_argument("--corpus", default=os.path.join(SHARED, "corpus", "gutenberg_en"))
+    p.add_argument("--tokenizer", default=os.path.join(SHARED, "tokenizers", "gpt2", "tokenizer.json"))
+    p.add_argument("--quick", action="store_true", help="fewer batches and rounds (about 1-2 min)")
+    p.add_argument("--batches", type=int, help="timed batches per throughput measurement (<= 808)")
+    p.add_argument("--rounds", type=int, help="interleaved rounds of the throughput measurements")
+    p.add_argument("--rss-batches", type=int, help="batches of the long RSS run")
+    args = p.parse_args()
+    batches = args.batches or (200 if args.quick else 800)
+    rounds = args.rounds or (3 if args.quick else 7)
+    rss_batches = args.rss_batches or 2000
+    torch.manual_seed(0)
+
+    t = time.perf_counter()
+    shards = sorted(os.path.join(args.corpus, f) for f in os.listdir(args.corpus) if f.endswith(".jsonl"))
+    tc.build_cache(shards, args.cache, args.tokenizer, progress=True)
+    cache = tc.TokenCache(args.cache)
+    raw = RawDataset(flat_tokens(cache, args.cache), SEQ)
+    ds = tc.TokenDataset(cache, SEQ)
+    assert len(raw) == len(ds)
+    print(f"cache: {cache.num_tokens:,} tokens, {len(ds):,} samples of {SEQ}, "
+          f"{len(ds) // BATCH} batches of {BATCH} per epoch (ready in {time.perf_counter() - t:.1f} s); "
+          f"{os.cpu_count()} CPUs, torch {torch.__version__}")
+
+    # 1-3: throughput, interleaved rounds -------------------------------------------------------
+    configs = {
+        "raw memmap, 2 workers (baseline)": lambda: raw_loader(raw, WORKERS),
+        "tc, 2 workers": lambda: tc_loader(ds, WORKERS),
+        "raw memmap, 0 workers": lambda: raw_loader(raw, 0),
+        "tc, 0 workers (synchronous)": lambda: tc_loader(ds, 0),
+        f"tc fast: 0 workers, prefetch_batches={PREFETCH}": lambda: tc_loader(ds, 0, PREFETCH),
+    }
+    # each round: baseline, the others, baseline again; a config's ratio in a round is to the mean
+    # of the two baselines around it, and the reported ratio is the median over rounds
+    base_name = next(iter(configs))
+    rates: dict[str, list[float]] = {name: [] for name in configs}
+    ratios: dict[str, list[float]] = {name: [] for name in configs}
+    for r in range(rounds):
+        before = samples_per_s(configs[base_name](), batches)
+        round_rates = {name: samples_per_s(make(), batches) for name, make in list(configs.items())[1:]}
+        after = samples_per_s(configs[base_name](), batches)
+        round_rates = {base_name: (before + after) / 2, **round_rates}
+        for name, rate in round_rates.items():
+            rates[name].append(rate)
+            ratios[name].append(rate / round_rates[base_name])
+        print(f"round {r + 1}/{rounds} (samples/s): baseline {before:,.0f} .. {after:,.0f}, "
+              + ", ".join(f"{v:,.0f}" for v in list(round_rates.values())[1:]), flush=True)
+
+    # 3b: does the fast mode overlap reads with the step? (step = GIL-free sleep, like a GPU wait)
+    step_s = 0.002
+    step_batches = max(50, batches // 2)
+    overlap: dict[str, list[float]] = {"step only": [], "sync": [], "fast": []}
+    for _ in range(rounds):
+        overlap["step only"].append(samples_per_s(NoData(), step_batches, step_s))
+        overlap["sync"].append(samples_per_s(tc_loader(ds, 0), step_batches, step_s))
+        overlap["fast"].append(samples_per_s(tc_loader(ds, 0, PREFETCH), step_batches, step_s))
+    ms = {k: BATCH / med(v) * 1e3 for k, v in overlap.items()}
+    hidden = 1 - (ms["fast"] - ms["step only"]) / (ms["sync"] - ms["step only"])
+
+    # 4: time to first batch after load_state_dict -----------------------------------------------
+    first: dict[tuple[str, int], list[float]] = {}
+    same_batch = True
+    modes = {"0 workers": (0, 0), "2 workers": (WORKERS, 0), f"prefetch_batches={PREFETCH}": (0, PREFETCH)}
+    for r in range(5):
+        at_big = []
+        for mode, (workers, prefetch) in modes.items():
+            for consumed in ((0, 10 ** 12) if r % 2 else (10 ** 12, 0)):
+                seconds, ids = first_batch_s(tc_loader(ds, workers, prefetch), consumed)
+                first.setdefault((mode, consumed), []).append(seconds)
+                if consumed:
+                    at_big.append(ids)
+        same_batch &= all(torch.equal(at_big[0], x) for x in at_big)
+
+    # 5: RSS over a long run ---------------------------------------------------------------------
+    every = max(1, rss_batches // 20)
+    rss_tc = rss_run(tc_loader(ds, WORKERS, infinite=True), rss_batches, every, workers=True)
+    rss_fast = rss_run(tc_loader(ds, 0, PREFETCH, infinite=True), rss_batches, every, workers=False)
+    rss_raw = None
+    if not args.quick:
+        infinite = tud.RandomSampler(raw, replacement=True, num_samples=10 ** 9)
+        rss_raw = rss_run(tud.DataLoader(raw, batch_size=BATCH, sampler=infinite, num_workers=WORKERS),
+                          rss_batches, every, workers=True)
+
+    # 6: pickled size ------------------------------------------------------------------------------
+    pickled = len(pickle.dumps(ds))
+
+    # summary ----------------------------------------------------------------------------------------
+    print(f"\n== throughput: {batches} batches x {BATCH} x {SEQ} tokens after the first batch, "
+          f"{rounds} interleaved rounds ==")
+    print(f"{'configuration':<44}{'samples/s':>11}{'vs baseline':>13}{'range over rounds':>19}")
+    for name in configs:
+        print(f"{name:<44}{med(rates[name]):>11,.0f}{med(ratios[name]):>12.2f}x"
+              f"{min(ratios[name]):>11.2f}-{max(ratios[name]):.2f}x")
+    print(f"overlap, with a {step_s * 1e3:.0f} ms GIL-free step per batch: step alone {ms['step only']:.2f} "
+          f"ms/batch, fast mode {ms['fast']:.2f}, synchronous (0 workers) {ms['sync']:.2f} -> the fast mode "
+          f"hides {hidden:.0%} of the synchronous loading time")
+
+    print("\n== time to first batch after load_state_dict (median of 5, iter() + first next()) ==")
+    for mode in modes:
+        a, b = med(first[(mode, 0)]), med(first[(mode, 10 ** 12)])
+        print(f"{mode:<24} consumed=0: {a * 1e3:8.1f} ms   consumed=10**12: {b * 1e3:8.1f} ms   "
+              f"ratio {b / a:.2f}")
+    print(f"first batch at 10**12 identical across modes: {same_batch}")
+
+    print(f"\n== RSS over {rss_batches} batches (MB; sampled every {every} batches, first after {every}) ==")
+
+    def rss_line(label: str, samples: list[list[float]]) -> None:
+        for w in range(len(samples[0])):
+            series = [s[w] for s in samples]
+            growth = series[-1] - series[0]
+            print(f"{label + (f' worker {w}' if len(samples[0]) > 1 else ''):<36} first {series[0]:7.1f}  "
+                  f"last {series[-1]:7.1f}  peak {max(series):7.1f}  growth {growth:+6.1f}  "
+                  f"{'flat' if growth < 8 else 'GROWS'}")
+    rss_line("tc, 2 workers", rss_tc)
+    rss_line("tc fast, main process", rss_fast)
+    if rss_raw:
+        rss_line("raw memmap, 2 workers", rss_raw)
+
+    print(f"\npickled TokenDataset: {pickled:,} bytes ({'< 64 KB' if pickled < 65536 else 'TOO BIG'})")
+    fast_name = list(configs)[-1]
+    print("\n== summary ==")
+    rows = [
+        ("tc 2 workers / raw 2 workers", f"{med(ratios['tc, 2 workers']):.2f}x", ">= 1.0x"),
+        ("raw 0 workers / raw 2 workers", f"{med(ratios['raw memmap, 0 workers']):.2f}x", "reference"),
+        ("tc fast / raw 2 workers", f"{med(ratios[fast_name]):.2f}x", ">= 5x"),
+        ("fast mode: loading time hidden by a step", f"{hidden:.0%}", "overlap"),
+        *[(f"first batch 10**12 / 0, {mode}",
+           f"{med(first[(mode, 10 ** 12)]) / med(first[(mode, 0)]):.2f}", "~1") for mode in modes],
+        ("worker RSS growth (max over workers)",
+         f"{max(last - first for first, last in zip(rss_tc[0], rss_tc[-1])):+.1f} MB", "flat"),
+        ("pickled TokenDataset", f"{pickled:,} B", "< 64 KB"),
+    ]
+    for name, value, target in rows:
+        print(f"  {name:<40}{value:>14}   ({target})")
+    print(f"total {time.perf_counter() - t:.0f} s")
+
+
+if __name__ == "__main__":
+    main()
