@@ -165,6 +165,7 @@ def main() -> None:
         seconds = time.perf_counter() - start
         print(f"{done_here} steps in {seconds:.1f} s ({done_here / seconds:.2f} steps/s)")
     if distributed:
+        dist.barrier()  # leave together: a rank still saving must not lose its peers mid-call
         dist.destroy_process_group()
 
 
