@@ -181,3 +181,21 @@ def test_ray_executor_resumes_a_partial_build_and_reports_bad_input(tmp_path, in
                            block_tokens=BLOCK, on_error="skip", num_workers=1, progress=False)
     assert tree_bytes(str(out)) == tree_bytes(fresh.path)
     assert np.array_equal(tc.TokenCache(out).read(0, 100), tc.TokenCache(fresh.path).read(0, 100))
+
+
+@pytest.mark.s3
+def test_inputs_on_s3_build_the_same_blocks(tmp_path, inputs, s3, gpt2_tokenizer_path):
+    options, _ = s3
+    fs = _s3fs(options)
+    for i, path in enumerate(inputs):
+        fs.put_file(path, f"bucket/t5/in/part-{i}.jsonl")
+    local = tc.build_cache(inputs, tmp_path / "local", gpt2_tokenizer_path, block_tokens=BLOCK,
+                           num_workers=1, progress=False)
+    remote_in = tc.build_cache("s3://bucket/t5/in/*.jsonl", tmp_path / "from-s3", gpt2_tokenizer_path,
+                               block_tokens=BLOCK, num_workers=2, storage_options=options,
+                               progress=False)
+    cache = tc.TokenCache(remote_in.path)
+    assert [i["path"] for i in cache.spec["inputs"]] == [f"s3://bucket/t5/in/part-{i}.jsonl"
+                                                         for i in range(3)]
+    blocks = {k: v for k, v in tree_bytes(local.path).items() if k.startswith("blocks/")}
+    assert blocks == {k: v for k, v in tree_bytes(remote_in.path).items() if k.startswith("blocks/")}
