@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import fcntl
+import functools
 import hashlib
 import os
+import threading
 import time
 from collections import OrderedDict
 from typing import Any
@@ -16,6 +18,15 @@ from .storage import TMP_MARK, RemoteStorage, is_remote, open_storage
 
 _MAX_OPEN_FILES = 64
 _MAX_CACHED_OFFSETS = 64
+
+
+def _locked(method):
+    """Run a method under the cache's lock: one thread must not close a file another reads."""
+    @functools.wraps(method)
+    def wrapper(self, *args, **kwargs):
+        with self._lock:
+            return method(self, *args, **kwargs)
+    return wrapper
 
 
 class _Block:
@@ -30,6 +41,8 @@ class _Block:
 class TokenCache:
     """A built (or still building) cache: its global token stream and its documents.
 
+    Safe to share between threads (e.g. a prefetch thread and the training loop).
+
     The global token stream is the blocks' tokens in manifest order. Block files are opened
     lazily in each process and read with pread, so nothing is copied into RAM beyond what is
     asked for; pickling a TokenCache (for DataLoader workers) sends only the path and a few small
@@ -43,6 +56,7 @@ class TokenCache:
         self._files: OrderedDict[int, _Block] = OrderedDict()
         self._offsets: OrderedDict[int, np.ndarray] = OrderedDict()
         self._pid = os.getpid()
+        self._lock = threading.RLock()
         if is_remote(url):
             self._remote: RemoteStorage | None = RemoteStorage(url, storage_options or {})
             self.url = self._remote.url
@@ -79,6 +93,7 @@ class TokenCache:
         np.cumsum([b["num_documents"] for b in blocks], out=self._doc_starts[1:])
         self.dtype = fmt._DTYPES[self.spec["dtype"]]
 
+    @_locked
     def refresh(self) -> bool:
         """Re-read the manifest; True if new blocks were committed since the last look."""
         manifest = fmt.read_manifest(self._remote or self.root)
@@ -133,12 +148,15 @@ class TokenCache:
         state = self.__dict__.copy()
         state["_files"] = OrderedDict()
         state["_offsets"] = OrderedDict()
+        del state["_lock"]
         return state
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         self.__dict__.update(state)
         self._pid = os.getpid()
+        self._lock = threading.RLock()
 
+    @_locked
     def close(self) -> None:
         for block in self._files.values():
             os.close(block.fd)
@@ -207,6 +225,7 @@ class TokenCache:
             raise fmt.CacheFormatError(f"{path}: checksum mismatch (the file is corrupted); "
                                        "rebuild the cache")
 
+    @_locked
     def block_offsets(self, b: int) -> np.ndarray:
         """Cumulative document offsets of block b (n_docs + 1 int64, local to the block)."""
         cached = self._offsets.get(b)
@@ -228,6 +247,7 @@ class TokenCache:
         return offsets
 
     # ------------------------------------------------------------ reading
+    @_locked
     def read(self, start: int, stop: int, out: np.ndarray | None = None) -> np.ndarray:
         """Tokens [start, stop) of the global stream (crossing blocks), in the cache's dtype."""
         start, stop = int(start), int(stop)
@@ -251,6 +271,7 @@ class TokenCache:
             b += 1
         return out
 
+    @_locked
     def read_many(self, starts: np.ndarray, length: int, out: np.ndarray | None = None) -> np.ndarray:
         """Rows ``out[i]`` = tokens ``[starts[i], starts[i] + length)``: many equal reads in one call.
 
@@ -432,9 +453,9 @@ def verify_cache(path: str | os.PathLike, storage_options: dict[str, Any] | None
     For a remote cache, files are checked as they are copied locally (a bad one is reported).
     """
     cache = TokenCache(path, storage_options=storage_options, local_dir=local_dir)
-    problems = []
+    problems, bad = [], set()
     manifest = fmt.read_manifest(cache._remote or cache.root)
-    for b, entry in enumerate(manifest["blocks"] + manifest.get("pending", [])):
+    for entry in manifest["blocks"] + manifest.get("pending", []):
         files = [(entry["path"], entry["checksum"]), (entry["offsets"], entry["offsets_checksum"])]
         if "keys" in entry:
             files.append((entry["keys"], entry["keys_checksum"]))
@@ -443,12 +464,14 @@ def verify_cache(path: str | os.PathLike, storage_options: dict[str, Any] | None
                 TokenCache._verify_file(cache._file(rel, checksum), checksum)
             except fmt.CacheFormatError as e:
                 problems.append(str(e))
-    for b in range(cache.num_blocks):
-        try:
+                bad.add(rel)
+    for b, (block, offsets) in enumerate(cache._paths):
+        if block in bad or offsets in bad:
+            continue
+        try:  # intact files that disagree with the manifest's counts or dtype
             cache._block(b)
             cache.block_offsets(b)
         except fmt.CacheFormatError as e:
-            if str(e) not in problems and not any(p.split(":")[0] == str(e).split(":")[0] for p in problems):
-                problems.append(str(e))
+            problems.append(str(e))
     cache.close()
     return problems
