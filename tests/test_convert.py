@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import gzip
-import io
 import json
 import os
 import signal
@@ -174,8 +172,8 @@ def test_kill_9_during_conversion_then_resume_gives_the_same_cache(tmp_path, boo
 
 
 def test_cli_convert_webdataset(tmp_path, texts, gpt2_tokenizer_path):
-    shards = write_shards(tmp_path / "wds", [{"__key__": f"k{i}", "txt": t} for i, t in
-                                             enumerate(texts[:12])], per_shard=6)
+    write_shards(tmp_path / "wds", [{"__key__": f"k{i}", "txt": t} for i, t in enumerate(texts[:12])],
+                 per_shard=6)
     out = tmp_path / "c"
     run = subprocess.run([sys.executable, "-m", "torchcache", "convert-webdataset",
                           str(tmp_path / "wds" / "shard-{000..001}.tar"), "-o", str(out),

@@ -26,7 +26,7 @@ _LAZY = {
 __all__ = [
     "BuildError", "BuildHandle", "BuildResult", "CacheFormatError", "DataLoader",
     "DistributedSampler", "DocumentDataset", "InputError", "MixtureDataset", "TokenCache",
-    "TokenDataset", "build_cache", "verify_cache",
+    "TokenDataset", "build_cache", "convert_webdataset", "verify_cache",
 ]
 
 

@@ -15,7 +15,7 @@ import queue as queue_module
 import signal
 import time
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterable, Iterator
+from typing import TYPE_CHECKING, Any, Callable, Iterable, Iterator
 
 import numpy as np
 
@@ -24,6 +24,9 @@ from .storage import TMP_MARK, Storage, open_storage
 from .inputs import ITERABLE_PATH, InputError, InputSource, iter_records, iter_strings, resolve_inputs
 from .tokenizing import (DocumentEncoder, TokenizerLike, canonical_json, load_tokenizer,
                          special_token_id, tokenizer_fingerprint)
+
+if TYPE_CHECKING:
+    from .handle import BuildHandle
 
 _BATCH_CHARS = 4 << 20
 _BATCH_DOCS = 1024
@@ -90,6 +93,7 @@ def build_input(job: _Job, index: int, source: InputSource | Iterable[str],
     docs: list[np.ndarray] = []
     keys: list[str | None] = []
     doc_tokens = 0
+    last_number, last_counts = records, dict(skipped)  # resume point as of the last document
 
     def flush(upto: int, counts: dict[str, int]) -> tuple:
         nonlocal docs, keys, doc_tokens, block_no
@@ -541,11 +545,13 @@ def _run_pool(job, sources, todo, state, workers, bar, report, should_stop) -> i
                 dead = [p for p in procs if p.exitcode not in (None, 0)]
                 if dead:
                     raise BuildError(f"a build worker died (exit code {dead[0].exitcode}); committed "
-                                     "blocks are kept and a re-run resumes")
+                                     "blocks are kept and a re-run resumes") from None
                 if all(p.exitcode == 0 for p in procs):
-                    raise BuildError(f"build workers stopped before finishing inputs {sorted(remaining)}")
+                    raise BuildError("build workers stopped before finishing inputs "
+                                     f"{sorted(remaining)}") from None
                 if should_stop and should_stop():
-                    raise BuildError("build cancelled; committed blocks are kept and a re-run resumes")
+                    raise BuildError("build cancelled; committed blocks are kept and a re-run "
+                                     "resumes") from None
                 continue
             while True:
                 try:

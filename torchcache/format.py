@@ -16,7 +16,7 @@ from typing import Any, BinaryIO
 
 import numpy as np
 
-from .storage import TMP_MARK, Storage, open_storage
+from .storage import Storage, open_storage
 
 FORMAT_NAME = "torchcache"
 FORMAT_VERSION = 1

@@ -9,7 +9,7 @@ from its input's resume point and the driver ignores blocks it already has.
 
 from __future__ import annotations
 
-from typing import Any, Iterator
+from typing import Iterator
 
 from .build import BuildError, InputError, _apply, _save, build_input
 
