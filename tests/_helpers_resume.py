@@ -35,6 +35,19 @@ def ids(batch: torch.Tensor) -> list[int]:
     return batch.flatten().tolist()
 
 
+def run_until(loader: DataLoader, num_batches: int) -> list[list[int]]:
+    """Iterate loader epochs until ``num_batches`` batches were received (an epoch loop)."""
+    out: list[list[int]] = []
+    while len(out) < num_batches:
+        before = len(out)
+        for batch in loader:
+            out.append(ids(batch))
+            if len(out) == num_batches:
+                break
+        assert len(out) > before, "an iter() yielded nothing before the end"
+    return out
+
+
 def interleave(per_rank: Sequence[Sequence[int]]) -> list[int]:
     """Global stream from per-rank streams: rank r's j-th item is global item j*W + r."""
     lengths = {len(s) for s in per_rank}

@@ -13,7 +13,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 sys.path.insert(0, os.path.dirname(__file__))
-from _helpers_resume import IdDataset, check_contiguous, ids, lockstep_steps, make_loader  # noqa: E402
+from _helpers_resume import IdDataset, check_contiguous, ids, lockstep_steps, make_loader, run_until  # noqa: E402
 
 from torchcache.loader import DataLoader  # noqa: E402
 from torchcache.sample import DistributedSampler  # noqa: E402
@@ -23,19 +23,6 @@ EPOCHS = 3
 
 def run_epochs(loader: DataLoader, epochs: int = EPOCHS) -> list[list[int]]:
     return [ids(batch) for _ in range(epochs) for batch in loader]
-
-
-def run_until(loader: DataLoader, num_batches: int) -> list[list[int]]:
-    """Iterate loader epochs until ``num_batches`` batches were received (an epoch loop)."""
-    out: list[list[int]] = []
-    while len(out) < num_batches:
-        before = len(out)
-        for batch in loader:
-            out.append(ids(batch))
-            if len(out) == num_batches:
-                break
-        assert len(out) > before, "an iter() yielded nothing before the end"
-    return out
 
 
 def interrupted_stream(n: int, b: int, k: int, total: int, **kw) -> list[list[int]]:

@@ -17,7 +17,7 @@ from hypothesis import strategies as st
 from torch.utils.data import Dataset
 
 sys.path.insert(0, os.path.dirname(__file__))
-from _helpers_resume import ids, lockstep_steps  # noqa: E402
+from _helpers_resume import lockstep_steps, run_until  # noqa: E402
 
 import torchcache as tc  # noqa: E402
 from torchcache._permutation import Permutation, derive_key  # noqa: E402
@@ -439,16 +439,6 @@ def mix_loader(batch_size, *, rank=0, world_size=1, **kw) -> tc.DataLoader:
     return tc.DataLoader(mix, batch_size=batch_size, sampler=sampler, **kw)
 
 
-def run_batches(loader, count) -> list[list[int]]:
-    out: list[list[int]] = []
-    while len(out) < count:
-        for batch in loader:
-            out.append(ids(batch))
-            if len(out) == count:
-                break
-    return out
-
-
 def test_sampler_reads_the_mixture_in_order():
     mix = make_mix()
     for shuffle in (True, False):
@@ -464,15 +454,15 @@ def test_resume_with_workers_continues_the_stream():
     b, epochs = 4, 3  # 10 batches per loader epoch (40 samples); later epochs continue the stream
     reference = [stream(mix, i, i + b) for i in range(0, 40 * epochs, b)]
     first = mix_loader(b, num_workers=2)
-    head = run_batches(first, 13)  # inside loader epoch 1
+    head = run_until(first, 13)  # inside loader epoch 1
     assert head == reference[:13]
     state = json.loads(json.dumps(first.state_dict()))
     assert state["consumed"] == 52 and state["fingerprint"] == mix.fingerprint
     second = mix_loader(b, num_workers=2)
     second.load_state_dict(state)
-    assert head + run_batches(second, len(reference) - 13) == reference
+    assert head + run_until(second, len(reference) - 13) == reference
     fast = mix_loader(b, prefetch_batches=2)  # the loader's read-ahead thread, no workers
-    assert run_batches(fast, 12) == reference[:12]
+    assert run_until(fast, 12) == reference[:12]
 
 
 def test_world_size_change_keeps_global_steps():

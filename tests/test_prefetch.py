@@ -15,7 +15,7 @@ from conftest import paragraphs, write_jsonl
 from torch.utils.data import Dataset, default_collate
 
 sys.path.insert(0, os.path.dirname(__file__))
-from _helpers_resume import IdDataset, ids, make_loader  # noqa: E402
+from _helpers_resume import IdDataset, ids, make_loader, run_until  # noqa: E402
 
 import torchcache as tc  # noqa: E402
 
@@ -38,17 +38,6 @@ def no_leaked_threads():
     yield
     gc.collect()
     join_all(prefetch_threads() - before)
-
-
-def run_until(loader, num_batches: int) -> list[list[int]]:
-    """Epoch loops until ``num_batches`` batches were received (each for-loop is one iter())."""
-    out: list[list[int]] = []
-    while len(out) < num_batches:
-        for batch in loader:
-            out.append(ids(batch))
-            if len(out) == num_batches:
-                break
-    return out
 
 
 @pytest.mark.parametrize("n, b, drop_last, k", [
