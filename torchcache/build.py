@@ -502,16 +502,32 @@ def _apply(event: tuple, state: _Manifest, bar: "_ProgressBar") -> bool:
     raise AssertionError(f"unknown event {kind}")
 
 
+def _commit(events: list[tuple], state: _Manifest, bar: "_ProgressBar", report) -> int:
+    """Apply worker events in order, then save the manifest once (also when one of them is an
+    error: what was finished before it is kept). Returns the tokens the events report."""
+    built, changed = 0, False
+    try:
+        for event in events:
+            changed |= _apply(event, state, bar)
+            if event[0] == "progress":
+                built += event[3]
+    finally:
+        if changed:
+            _save(state, report)
+    return built
+
+
+def check_cancelled(should_stop: Callable[[], bool] | None) -> None:
+    if should_stop and should_stop():
+        raise BuildError("build cancelled; committed blocks are kept and a re-run resumes")
+
+
 def _run_inline(job, sources, todo, state, bar, report, should_stop) -> int:
     built = 0
     for index in todo:
         for event in build_input(job, index, sources[index], state.progress[index]):
-            if _apply(event, state, bar):
-                _save(state, report)
-            if event[0] == "progress":
-                built += event[3]
-            if should_stop and should_stop():
-                raise BuildError("build cancelled; committed blocks are kept and a re-run resumes")
+            built += _commit([event], state, bar, report)
+            check_cancelled(should_stop)
     return built
 
 
@@ -549,28 +565,16 @@ def _run_pool(job, sources, todo, state, workers, bar, report, should_stop) -> i
                 if all(p.exitcode == 0 for p in procs):
                     raise BuildError("build workers stopped before finishing inputs "
                                      f"{sorted(remaining)}") from None
-                if should_stop and should_stop():
-                    raise BuildError("build cancelled; committed blocks are kept and a re-run "
-                                     "resumes") from None
+                check_cancelled(should_stop)
                 continue
             while True:
                 try:
                     batch.append(events.get_nowait())
                 except queue_module.Empty:
                     break
-            changed = False
-            try:
-                for event in batch:
-                    changed |= _apply(event, state, bar)
-                    if event[0] == "progress":
-                        built += event[3]
-                    if event[0] == "done":
-                        remaining.discard(event[1])
-            finally:
-                if changed:
-                    _save(state, report)
-            if should_stop and should_stop():
-                raise BuildError("build cancelled; committed blocks are kept and a re-run resumes")
+            built += _commit(batch, state, bar, report)
+            remaining.difference_update(event[1] for event in batch if event[0] == "done")
+            check_cancelled(should_stop)
     finally:
         for p in procs:
             if p.is_alive():

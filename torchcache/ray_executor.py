@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from typing import Iterator
 
-from .build import BuildError, InputError, _apply, _save, build_input
+from .build import BuildError, InputError, _commit, build_input, check_cancelled
 
 _MAX_RETRIES = 3
 
@@ -42,26 +42,20 @@ def run_ray(job, sources, todo: list[int], state, bar, report, should_stop,
     try:
         while running:
             ready, _ = ray.wait(list(running), num_returns=1, timeout=0.5)
-            if should_stop and should_stop():
-                raise BuildError("build cancelled; committed blocks are kept and a re-run resumes")
-            changed = False
+            check_cancelled(should_stop)
+            events = []
             try:
                 for gen in ready:
                     try:
-                        event = ray.get(next(gen))
+                        events.append(ray.get(next(gen)))
                     except StopIteration:
                         del running[gen]
-                        continue
                     except ray.exceptions.RayError as e:
                         raise BuildError(f"building input {sources[running[gen]].path} failed on "
                                          f"Ray after {_MAX_RETRIES} retries: {e}; committed blocks "
                                          "are kept and a re-run resumes") from None
-                    changed |= _apply(event, state, bar)
-                    if event[0] == "progress":
-                        built += event[3]
             finally:
-                if changed:
-                    _save(state, report)
+                built += _commit(events, state, bar, report)
     finally:
         for gen in running:
             ray.cancel(gen, force=True)
