@@ -132,7 +132,7 @@ class TokenDataset(_GrowingDataset):
         int64 tensors) and the main process widens it with :meth:`expand_batch`.
         """
         idx = self._check(indices)
-        windows = self.cache.read_many(idx * self.seq_len, self.seq_len + 1)
+        windows = self.read_windows(idx)
         signed = np.int16 if windows.dtype.itemsize == 2 else np.int32  # torch-friendly view
         batch = {_WINDOWS: torch.from_numpy(windows.view(signed))}
         if self.document_boundaries:
