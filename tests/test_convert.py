@@ -138,6 +138,7 @@ def test_bad_shards_name_the_shard_and_member(tmp_path, texts, gpt2_tokenizer_pa
     skipped = tc.TokenCache(tmp_path / "skip").skipped
     assert skipped == {"unreadable": 1, "missing_text": 1}
     tc.convert_webdataset([floats, beyond], tmp_path / "skip2", text_key="npy", vocab_size=1000,
+                          allow_empty=True,
                           on_error="skip", progress=False)
     assert tc.TokenCache(tmp_path / "skip2").skipped == {"bad_tokens": 2}
 

@@ -417,7 +417,7 @@ def test_token_and_document_sources(tmp_path, books, gpt2_tokenizer_path):
         assert torch.equal(item["input_ids"], want["input_ids"])
         assert torch.equal(item["labels"], want["labels"])
     docs = tc.MixtureDataset({"docs": tc.DocumentDataset(tmp_path / "cache"), "toks": a},
-                             {"docs": 1, "toks": 1}, block_size=2)
+                             {"docs": 1, "toks": 1}, block_size=2, allow_mixed_items=True)
     assert len(docs) == len(a) + tc.TokenCache(tmp_path / "cache").num_documents
 
 

@@ -9,8 +9,9 @@ from .build import BuildError, BuildResult, build_cache
 from .convert import convert_webdataset
 from .format import CacheFormatError
 from .handle import BuildHandle
-from .inputs import InputError
-from .read import TokenCache, verify_cache
+from .inputs import InputChangedError, InputError
+from .read import Problem, TokenCache, check_cache, verify_cache
+from .repair import RepairResult, repair_cache
 
 __version__ = "0.1.0"
 
@@ -25,8 +26,9 @@ _LAZY = {
 
 __all__ = [
     "BuildError", "BuildHandle", "BuildResult", "CacheFormatError", "DataLoader",
-    "DistributedSampler", "DocumentDataset", "InputError", "MixtureDataset", "TokenCache",
-    "TokenDataset", "build_cache", "convert_webdataset", "verify_cache",
+    "DistributedSampler", "DocumentDataset", "InputChangedError", "InputError", "MixtureDataset",
+    "Problem", "RepairResult", "TokenCache", "TokenDataset", "build_cache", "check_cache",
+    "convert_webdataset", "repair_cache", "verify_cache",
 ]
 
 

@@ -11,16 +11,20 @@ invisible to readers until every block before it in stream order is there.
 from __future__ import annotations
 
 import os
-import queue as queue_module
+import re
 import signal
 import time
+import traceback
+from multiprocessing.connection import Connection, wait as wait_for_connections
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Callable, Iterable, Iterator
 
 import numpy as np
 
 from . import format as fmt
-from .storage import TMP_MARK, Storage, open_storage
+from ._procs import Child, start_child
+from ._args import int_arg
+from .storage import TMP_MARK, LocalStorage, Lock, Storage, open_storage
 from .inputs import ITERABLE_PATH, InputError, InputSource, iter_records, iter_strings, resolve_inputs
 from .tokenizing import (DocumentEncoder, TokenizerLike, canonical_json, load_tokenizer,
                          special_token_id, tokenizer_fingerprint)
@@ -28,6 +32,9 @@ from .tokenizing import (DocumentEncoder, TokenizerLike, canonical_json, load_to
 if TYPE_CHECKING:
     from .handle import BuildHandle
 
+# Crash tests set this to kill the builder (SIGKILL, as a crash would) right after its N-th
+# manifest write, so a test interrupts a build at a commit instead of racing it with a timer.
+_KILL_AFTER_COMMITS = int(os.environ.get("TORCHCACHE_TEST_KILL_AFTER_COMMITS", "0"))
 _BATCH_CHARS = 4 << 20
 _BATCH_DOCS = 1024
 
@@ -48,6 +55,7 @@ class BuildResult:
     fingerprint: str
     seconds: float
     tokens_built: int = 0  # tokens tokenized by this call (0 for a no-op re-run)
+    already_complete: bool = False  # True when the cache was complete before this call
 
     @property
     def tokens_per_second(self) -> float:
@@ -85,40 +93,44 @@ def build_input(job: _Job, index: int, source: InputSource | Iterable[str],
     skipped = dict(start["skipped"])
     records = start["records"]
     block_no = start["blocks"]
+    digest = start.get("digest")  # None for caches built before inputs were identified by content
     if isinstance(source, InputSource):
         stream = iter_records(source, job.text_key, records, job.on_error, job.storage_options,
-                              tokens=job.tokenizer_json is None)
+                              tokens=job.tokenizer_json is None, start_digest=digest)
     else:
-        stream = iter_strings(source, records, job.on_error)
+        stream = iter_strings(source, records, job.on_error, start_digest=digest)
     docs: list[np.ndarray] = []
     keys: list[str | None] = []
     doc_tokens = 0
-    last_number, last_counts = records, dict(skipped)  # resume point as of the last document
+    # the input's resume point as of the last document: record number, skip counts, content hash
+    last: tuple[int, dict[str, int], str | None] = (records, dict(skipped), digest)
 
-    def flush(upto: int, counts: dict[str, int]) -> tuple:
+    def flush() -> tuple:
         nonlocal docs, keys, doc_tokens, block_no
         entry = _write_block(job, index, block_no, docs, keys)
         block_no += 1
         docs, keys, doc_tokens = [], [], 0
-        return ("block", index, entry, {"records": upto, "skipped": dict(counts), "blocks": block_no})
+        upto, counts, upto_digest = last
+        return ("block", index, entry, {"records": upto, "skipped": dict(counts), "blocks": block_no,
+                                        "digest": upto_digest})
 
     batches = _Batches(stream, skipped, _token_checker(job, source), job.on_error)
     for batch in batches:
         encoded = encode([r for r, _ in batch])
         for (record, counts), ids in zip(batch, encoded):
             if docs and doc_tokens + len(ids) > job.block_tokens:
-                yield flush(last_number, last_counts)
+                yield flush()
             docs.append(ids)
             keys.append(record.key)
             doc_tokens += len(ids)
-            last_number, last_counts = record.number, counts
+            last = (record.number, counts, record.digest)
             if doc_tokens >= job.block_tokens:
-                yield flush(last_number, last_counts)
+                yield flush()
         yield ("progress", index, batch[-1][0].position, int(sum(len(x) for x in encoded)))
-    records_end = max(records, batches.last_number)
     if docs:
-        yield flush(last_number, last_counts)
-    yield ("done", index, {"records": records_end, "skipped": skipped, "blocks": block_no})
+        yield flush()
+    end = (batches.last_number, batches.last_digest) if batches.last_number > records else (records, digest)
+    yield ("done", index, {"records": end[0], "skipped": skipped, "blocks": block_no, "digest": end[1]})
 
 
 def _document_encoder(job: _Job) -> Callable[[list], list[np.ndarray]]:
@@ -164,7 +176,8 @@ class _Batches:
 
     def __init__(self, stream: Iterator, skipped: dict[str, int], check: Callable[[Any], str | None],
                  on_error: str = "raise"):
-        self.stream, self.skipped, self.last_number = stream, skipped, 0
+        self.stream, self.skipped = stream, skipped
+        self.last_number, self.last_digest = 0, None  # of the last record read, kept or not
         self.check, self.on_error = check, on_error
 
     def _count(self, reason: str) -> None:
@@ -174,7 +187,7 @@ class _Batches:
         batch, chars = [], 0
         try:
             for record in self.stream:
-                self.last_number = record.number
+                self.last_number, self.last_digest = record.number, record.digest
                 content = record.text if record.tokens is None else record.tokens
                 if content is None:
                     self._count(record.problem)
@@ -222,33 +235,26 @@ def _write_block(job: _Job, index: int, block_no: int, docs: list[np.ndarray],
 
 # ---------------------------------------------------------------- worker processes
 
-def _die_with_parent() -> None:
-    """Make a worker exit if its coordinator is killed (Linux), so no orphan keeps writing."""
-    try:
-        import ctypes
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
-    except (OSError, AttributeError):
-        pass
+def _worker_main(conn: Connection, job: _Job, sources: list[InputSource], starts: dict) -> None:
+    """A pool worker (see _procs): build the inputs the coordinator sends until it sends None.
 
-
-def _worker_main(job: _Job, sources: list[InputSource], starts: dict, tasks, events) -> None:
-    _die_with_parent()
-    parent = os.getppid()
+    A dead coordinator closes the connection, so the next send fails and the worker exits.
+    """
     while True:
-        index = tasks.get()
+        index = conn.recv()
         if index is None:
             return
         try:
             for event in build_input(job, index, sources[index], starts[index]):
-                if os.getppid() != parent:
-                    return
-                events.put(event)
+                conn.send(event)
         except InputError as e:
-            events.put(("error", index, "input", str(e)))
+            conn.send(("error", index, "input", str(e)))
             return
-        except Exception as e:  # reported to the coordinator, which re-raises it
-            import traceback
-            events.put(("error", index, "crash", f"{type(e).__name__}: {e}\n{traceback.format_exc()}"))
+        except OSError as e:  # a full disk, a lost connection...: one line, no traceback
+            conn.send(("error", index, "os", f"{type(e).__name__}: {e}"))
+            return
+        except Exception as e:  # a bug: reported with its traceback, re-raised by the coordinator
+            conn.send(("error", index, "crash", f"{type(e).__name__}: {e}\n{traceback.format_exc()}"))
             return
 
 
@@ -257,8 +263,10 @@ def _worker_main(job: _Job, sources: list[InputSource], starts: dict, tasks, eve
 class _Manifest:
     """The coordinator's view of the manifest; `save()` writes it atomically."""
 
-    def __init__(self, storage: Storage, spec: dict[str, Any], existing: dict[str, Any] | None):
-        self.storage, self.spec = storage, spec
+    def __init__(self, storage: Storage, spec: dict[str, Any], existing: dict[str, Any] | None,
+                 lock: Lock | None = None):
+        self.storage, self.spec, self.lock = storage, spec, lock
+        self.saves = 0
         n = len(spec["inputs"])
         self.finished: list[list[dict]] = [[] for _ in range(n)]
         self.progress: list[dict] = [{"records": 0, "skipped": {}, "blocks": 0, "done": False}
@@ -268,6 +276,8 @@ class _Manifest:
                 self.finished[entry["input"]].append(entry)
             for i, p in enumerate(existing["inputs"]):
                 self.progress[i] = {k: p[k] for k in ("records", "skipped", "blocks", "done")}
+                if p.get("digest") is not None:
+                    self.progress[i]["digest"] = p["digest"]
             for blocks in self.finished:
                 blocks.sort(key=lambda e: e["index"])
 
@@ -315,12 +325,21 @@ class _Manifest:
         }
 
     def save(self) -> dict[str, Any]:
+        """Write the manifest atomically, unless this builder may have lost its lock."""
+        if self.lock is not None:
+            try:
+                self.lock.check()
+            except RuntimeError as e:
+                raise BuildError(str(e)) from None
         doc = self.document()
         self.storage.write_json(fmt.MANIFEST_NAME, doc)
+        self.saves += 1
+        if self.saves == _KILL_AFTER_COMMITS:  # fault injection for crash tests: kill -9 right here
+            os.kill(os.getpid(), signal.SIGKILL)
         return doc
 
 
-def _lock(storage: Storage):
+def _lock(storage: Storage) -> Lock:
     lock = storage.lock()
     try:
         lock.acquire()
@@ -330,30 +349,54 @@ def _lock(storage: Storage):
     return lock
 
 
+# Names the builder creates: only these are ever deleted, and only when the manifest does not
+# know them (left by a crash). Anything else in the output belongs to the user.
+_OWN_BLOCK_FILE = re.compile(r"\d{6}-\d{6}(\.offsets\.safetensors|\.keys\.json|\.safetensors)"
+                             rf"({re.escape(TMP_MARK)}\d+)?")
+_OWN_TOP_TMP = re.compile(rf"(manifest|tokenizer)\.json{re.escape(TMP_MARK)}\d+")
+
+
 def _clean(storage: Storage, manifest: dict[str, Any] | None) -> None:
-    """Remove temporary files and block files the manifest does not know (left by a crash)."""
+    """Delete the builder's own leftovers of a crash: temporary files, and block files that the
+    manifest does not know. Files the builder did not create are never touched."""
     known = set()
     if manifest:
         for e in manifest["blocks"] + manifest.get("pending", []):
             known.update((e["path"], e["offsets"], e.get("keys")))
     for name in storage.listdir(""):
-        if TMP_MARK in name:
+        if _OWN_TOP_TMP.fullmatch(name):
             storage.delete(name)
     for name in storage.listdir(fmt.BLOCK_DIR):
-        if TMP_MARK in name or f"{fmt.BLOCK_DIR}/{name}" not in known:
-            storage.delete(f"{fmt.BLOCK_DIR}/{name}")
+        rel = f"{fmt.BLOCK_DIR}/{name}"
+        if _OWN_BLOCK_FILE.fullmatch(name) and rel not in known:
+            storage.delete(rel)
 
 
-def _check_output(storage: Storage) -> None:
-    allowed = {fmt.MANIFEST_NAME, fmt.TOKENIZER_NAME, fmt.BLOCK_DIR, ".lock"}
-    strangers = [n for n in storage.listdir("") if n not in allowed and TMP_MARK not in n]
+def _check_new_output(storage: Storage) -> None:
+    """Refuse an output without a manifest that holds anything but the builder's own leftovers."""
+    strangers = [n for n in storage.listdir("")
+                 if n not in (".lock", fmt.BLOCK_DIR) and not _OWN_TOP_TMP.fullmatch(n)]
+    strangers += [f"{fmt.BLOCK_DIR}/{n}" for n in storage.listdir(fmt.BLOCK_DIR)
+                  if TMP_MARK not in n or not _OWN_BLOCK_FILE.fullmatch(n)]
     if strangers:
         raise BuildError(f"output {storage.url!r} is not empty and is not a torchcache cache "
-                         f"(it holds {strangers[:5]}); choose a new or empty directory")
+                         f"(it holds {', '.join(strangers[:5])}); nothing was changed. Choose a new "
+                         "or empty directory")
 
 
 def _spec_diff(old: dict, new: dict) -> list[str]:
     return sorted(k for k in set(old) | set(new) if old.get(k) != new.get(k))
+
+
+def _nothing_committed(manifest: dict[str, Any]) -> bool:
+    return not manifest["blocks"] and not manifest.get("pending")
+
+
+def _start_over(storage: Storage, manifest: dict[str, Any]) -> None:
+    """Remove a cache that committed nothing (a first build that failed), manifest last."""
+    _clean(storage, None)
+    storage.delete(fmt.TOKENIZER_NAME)
+    storage.delete(fmt.MANIFEST_NAME)
 
 
 def build_cache(inputs: Any, output: str | os.PathLike, tokenizer: TokenizerLike | None, *,
@@ -362,36 +405,84 @@ def build_cache(inputs: Any, output: str | os.PathLike, tokenizer: TokenizerLike
                 eos: int | str | None = "auto", bos: int | str | None = None,
                 special_tokens_as_text: bool = True, progress: bool | None = None,
                 storage_options: dict[str, Any] | None = None,
-                vocab_size: int | None = None) -> "BuildResult | BuildHandle":
+                vocab_size: int | None = None, allow_empty: bool = False) -> "BuildResult | BuildHandle":
     """Tokenize `inputs` into a cache at `output`; see the README for every option.
 
     Re-running a finished build with the same arguments is a cheap no-op; an interrupted build
     (even by kill -9) resumes where it stopped and ends with exactly the cache an uninterrupted
     build would have made. `background=True` returns a BuildHandle at once so training can read
-    the committed prefix while the build goes on.
+    the committed prefix while the build goes on. A build that yields no document at all is an
+    error unless `allow_empty=True`.
+
+    Example:
+        >>> result = tc.build_cache("data/*.jsonl", "caches/web", "tokenizer.json")
+        >>> result.num_tokens, result.skipped
     """
-    if on_error not in ("raise", "skip"):
-        raise ValueError(f"on_error must be 'raise' or 'skip', not {on_error!r}")
-    if not isinstance(block_tokens, int) or block_tokens < 1:
-        raise ValueError(f"block_tokens must be a positive int, not {block_tokens!r}")
-    if executor not in ("local", "ray"):
-        raise ValueError(f"executor must be 'local' or 'ray', not {executor!r}")
-    if num_workers is not None and num_workers < 0:
-        raise ValueError(f"num_workers must be >= 0, not {num_workers}")
+    _check_build_arguments(text_key=text_key, block_tokens=block_tokens, num_workers=num_workers,
+                           on_error=on_error, background=background, executor=executor, eos=eos,
+                           bos=bos, special_tokens_as_text=special_tokens_as_text,
+                           progress=progress, storage_options=storage_options,
+                           vocab_size=vocab_size, allow_empty=allow_empty)
     kwargs = dict(text_key=text_key, block_tokens=block_tokens, num_workers=num_workers,
                   on_error=on_error, eos=eos, bos=bos, special_tokens_as_text=special_tokens_as_text,
-                  storage_options=storage_options, vocab_size=vocab_size, executor=executor)
+                  storage_options=storage_options, vocab_size=vocab_size, executor=executor,
+                  allow_empty=allow_empty)
     if background:
         from .handle import BuildHandle
         return BuildHandle.start(inputs, output, tokenizer, kwargs)
     return _build(inputs, output, tokenizer, progress=True if progress is None else progress, **kwargs)
 
 
+def _check_build_arguments(*, text_key, block_tokens, num_workers, on_error, background, executor,
+                           eos, bos, special_tokens_as_text, progress, storage_options, vocab_size,
+                           allow_empty) -> None:
+    """Every argument's type and value, before anything is read or written."""
+    if not isinstance(text_key, str) or not text_key:
+        raise TypeError(f"text_key must be a non-empty string naming the text field, not {text_key!r}")
+    int_arg(block_tokens, "block_tokens", minimum=1)
+    if num_workers is not None:
+        int_arg(num_workers, "num_workers", minimum=0)
+    if vocab_size is not None:
+        int_arg(vocab_size, "vocab_size", minimum=1, maximum=2 ** 32)
+    if on_error not in ("raise", "skip"):
+        raise ValueError(f"on_error must be 'raise' or 'skip', not {on_error!r}")
+    if executor not in ("local", "ray"):
+        raise ValueError(f"executor must be 'local' or 'ray', not {executor!r}")
+    for name, token in (("eos", eos), ("bos", bos)):
+        if token is not None and (isinstance(token, bool) or not isinstance(token, (int, np.integer, str))):
+            raise TypeError(f"{name} must be a token id (int), a token string, 'auto' or None, "
+                            f"not {token!r}")
+    for name, flag in (("background", background), ("special_tokens_as_text", special_tokens_as_text),
+                       ("allow_empty", allow_empty)):
+        if not isinstance(flag, bool):
+            raise TypeError(f"{name} must be True or False, not {flag!r}")
+    if progress is not None and not isinstance(progress, bool):
+        raise TypeError(f"progress must be True, False or None, not {progress!r}")
+    if storage_options is not None and not isinstance(storage_options, dict):
+        raise TypeError(f"storage_options must be a dict of fsspec options, not {storage_options!r}")
+
+
+def default_workers() -> int:
+    """The CPUs this process may use: its affinity mask, capped by a cgroup CPU quota."""
+    try:
+        cpus = len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        cpus = os.cpu_count() or 1
+    try:
+        with open("/sys/fs/cgroup/cpu.max") as f:
+            quota, period = f.read().split()[:2]
+        if quota != "max":
+            cpus = min(cpus, max(1, int(int(quota) // int(period))))
+    except (OSError, ValueError):
+        pass  # no cgroup v2 quota here: the affinity mask is the limit
+    return max(1, cpus)
+
+
 def _build(inputs: Any, output: str | os.PathLike, tokenizer: TokenizerLike, *, text_key: str,
            block_tokens: int, num_workers: int | None, on_error: str, eos, bos,
            special_tokens_as_text: bool, storage_options: dict[str, Any] | None,
            vocab_size: int | None = None, executor: str = "local", progress: bool = False,
-           report: Callable[[dict], None] | None = None,
+           allow_empty: bool = False, report: Callable[[dict], None] | None = None,
            should_stop: Callable[[], bool] | None = None) -> BuildResult:
     started = time.perf_counter()
     storage = open_storage(output, storage_options)
@@ -424,34 +515,38 @@ def _build(inputs: Any, output: str | os.PathLike, tokenizer: TokenizerLike, *, 
         "block_tokens": block_tokens,
         "inputs": [s.spec() for s in sources] if sources else [{"path": ITERABLE_PATH, "size": None}],
     }
+    _check_output_path(storage)
     storage.makedirs()
     lock = _lock(storage)
     try:
         existing = None
         if storage.exists(fmt.MANIFEST_NAME):
             existing = fmt.read_manifest(storage)
-            if existing["spec"] != spec:
+            if existing["spec"] != spec and _nothing_committed(existing):
+                _start_over(storage, existing)  # a failed first build: start again, new settings
+                existing = None
+            elif existing["spec"] != spec:
                 raise BuildError(
                     f"{storage.url!r} holds a cache built with other settings (differs in: "
                     f"{', '.join(_spec_diff(existing['spec'], spec))}); refusing to mix them. Use a "
                     "new output directory, or delete this one to rebuild")
-        else:
-            _check_output(storage)
-        _clean(storage, existing)
-        state = _Manifest(storage, spec, existing)
         if existing is None:
-            if tok is not None:
-                storage.write(fmt.TOKENIZER_NAME, [tok.to_str().encode()])
-            state.save()
-        elif existing["complete"]:
-            return _result(storage, existing, started, 0)
+            _check_new_output(storage)
+        _clean(storage, existing)
+        state = _Manifest(storage, spec, existing, lock)
+        if existing is None:
+            state.save()  # the manifest first: a tokenizer.json without one is never ours
+        if tok is not None and not storage.exists(fmt.TOKENIZER_NAME):
+            storage.write(fmt.TOKENIZER_NAME, [tok.to_str().encode()])
+        if existing is not None and existing["complete"]:
+            return _result(storage, existing, started, 0, allow_empty, already_complete=True)
         job = _Job(storage, None if tok is None else canonical_json(tok), bos_id, eos_id,
                    str(dtype), text_key, block_tokens, on_error, special_tokens_as_text,
                    dict(storage_options or {}), vocab_size)
         todo = [i for i, p in enumerate(state.progress) if not p["done"]]
         bar = _ProgressBar(spec["inputs"], state, enabled=progress)
         try:
-            workers = min(len(todo), (os.cpu_count() or 1) if num_workers is None else num_workers)
+            workers = min(len(todo), default_workers() if num_workers is None else num_workers)
             if executor == "ray":
                 from .ray_executor import run_ray
                 built = run_ray(job, sources, todo, state, bar, report, should_stop, num_workers)
@@ -461,9 +556,17 @@ def _build(inputs: Any, output: str | os.PathLike, tokenizer: TokenizerLike, *, 
                 built = _run_pool(job, sources, todo, state, workers, bar, report, should_stop)
         finally:
             bar.close()
-        return _result(storage, state.document(), started, built)
+        return _result(storage, state.document(), started, built, allow_empty)
     finally:
         lock.release()
+
+
+def _check_output_path(storage: Storage) -> None:
+    """A local output must be a directory (or not exist yet)."""
+    root = getattr(storage, "root", None)
+    if isinstance(storage, LocalStorage) and os.path.exists(root) and not os.path.isdir(root):
+        raise BuildError(f"output {root!r} is a file, not a directory; give a new or empty "
+                         "directory for the cache")
 
 
 def _plain_token_id(token: Any, role: str, vocab_size: int | None) -> int | None:
@@ -477,10 +580,16 @@ def _plain_token_id(token: Any, role: str, vocab_size: int | None) -> int | None
     return int(token)
 
 
-def _result(storage: Storage, manifest: dict, started: float, built: int) -> BuildResult:
+def _result(storage: Storage, manifest: dict, started: float, built: int, allow_empty: bool,
+            already_complete: bool = False) -> BuildResult:
+    if manifest["complete"] and not manifest["num_documents"] and not allow_empty:
+        skipped = ", ".join(f"{v} {k}" for k, v in sorted(manifest["skipped"].items()))
+        why = f"every record was skipped ({skipped})" if skipped else "the inputs hold no document"
+        raise BuildError(f"{storage.url}: the build produced an empty cache: {why}. Check the "
+                         "inputs and text_key (or pass allow_empty=True to accept an empty cache)")
     return BuildResult(storage.url, manifest["num_tokens"], manifest["num_documents"],
                        len(manifest["blocks"]), dict(manifest["skipped"]), manifest["fingerprint"],
-                       time.perf_counter() - started, built)
+                       time.perf_counter() - started, built, already_complete)
 
 
 def _apply(event: tuple, state: _Manifest, bar: "_ProgressBar") -> bool:
@@ -540,49 +649,55 @@ def _save(state: _Manifest, report) -> None:
 
 
 def _run_pool(job, sources, todo, state, workers, bar, report, should_stop) -> int:
-    import multiprocessing as mp
-    ctx = mp.get_context("spawn")
-    tasks, events = ctx.Queue(), ctx.Queue()
-    for index in todo:
-        tasks.put(index)
-    for _ in range(workers):
-        tasks.put(None)
+    """Build the inputs `todo` on `workers` worker processes, committing as blocks arrive.
+
+    Inputs are handed out one at a time, in order, to whichever worker is free.
+    """
     starts = {i: state.progress[i] for i in todo}
-    procs = [ctx.Process(target=_worker_main, args=(job, sources, starts, tasks, events), daemon=True)
-             for _ in range(workers)]
-    for p in procs:
-        p.start()
+    waiting = list(todo)
+    children = [start_child("torchcache.build:_worker_main", job, sources, starts)
+                for _ in range(workers)]
+    by_conn = {child.conn: child for child in children}
+
+    stopped: set[Child] = set()
+
+    def hand_out(child: Child) -> None:
+        if not waiting:
+            stopped.add(child)
+        child.conn.send(waiting.pop(0) if waiting else None)
+
     remaining, built = set(todo), 0
     try:
+        for child in children:
+            hand_out(child)
         while remaining:
-            try:
-                batch = [events.get(timeout=0.5)]
-            except queue_module.Empty:
-                dead = [p for p in procs if p.exitcode not in (None, 0)]
-                if dead:
-                    raise BuildError(f"a build worker died (exit code {dead[0].exitcode}); committed "
-                                     "blocks are kept and a re-run resumes") from None
-                if all(p.exitcode == 0 for p in procs):
-                    raise BuildError("build workers stopped before finishing inputs "
-                                     f"{sorted(remaining)}") from None
-                check_cancelled(should_stop)
-                continue
-            while True:
-                try:
-                    batch.append(events.get_nowait())
-                except queue_module.Empty:
-                    break
-            built += _commit(batch, state, bar, report)
-            remaining.difference_update(event[1] for event in batch if event[0] == "done")
+            ready = wait_for_connections(list(by_conn), timeout=0.5)
             check_cancelled(should_stop)
+            events, finished = [], []
+            for conn in ready:
+                child = by_conn[conn]
+                try:
+                    while conn.poll():
+                        events.append(conn.recv())
+                        if events[-1][0] == "done":
+                            finished.append(child)
+                except EOFError:
+                    del by_conn[conn]
+                    if child not in stopped and not any(e[0] == "error" for e in events):
+                        code = child.join(5)
+                        raise BuildError(f"a build worker died (exit code {code}) while building "
+                                         f"inputs {sorted(remaining)}; committed blocks are kept "
+                                         "and a re-run resumes") from None
+            built += _commit(events, state, bar, report)
+            remaining.difference_update(e[1] for e in events if e[0] == "done")
+            for child in finished:
+                hand_out(child)
     finally:
-        for p in procs:
-            if p.is_alive():
-                p.kill()
-        for p in procs:
-            p.join()
-        events.close()
-        tasks.close()
+        for child in children:
+            child.kill()
+        for child in children:
+            child.join()
+            child.close()
     return built
 
 

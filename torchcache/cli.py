@@ -9,20 +9,25 @@ from typing import Sequence
 
 import numpy as np
 
+from . import __version__
+from .build import build_cache
+from .convert import convert_webdataset
+from .read import TokenCache, verify_cache
+from .repair import repair_cache
+
 
 def _build(args: argparse.Namespace) -> int:
-    from .build import build_cache
     result = build_cache(args.inputs, args.output, args.tokenizer, text_key=args.text_key,
                          block_tokens=args.block_tokens, num_workers=args.workers,
                          on_error=args.on_error, eos=_token_arg(args.eos), bos=_token_arg(args.bos),
-                         special_tokens_as_text=not args.keep_special_tokens, progress=True)
+                         special_tokens_as_text=not args.keep_special_tokens, progress=True,
+                         allow_empty=args.allow_empty)
     return _summary(result)
 
 
 def _convert(args: argparse.Namespace) -> int:
-    from .convert import convert_webdataset
     options = dict(block_tokens=args.block_tokens, num_workers=args.workers, on_error=args.on_error,
-                   progress=True)
+                   progress=True, allow_empty=args.allow_empty)
     if args.tokenizer is None and (args.eos or args.bos) and not all(
             x is None or x.isdigit() for x in (args.eos, args.bos)):
         raise ValueError("without a tokenizer, --eos and --bos must be token ids")
@@ -36,11 +41,11 @@ def _summary(result) -> int:
     skipped = ", ".join(f"{k} {v}" for k, v in sorted(result.skipped.items())) or "none"
     print(f"{result.path}: {result.num_tokens:,} tokens, {result.num_documents:,} documents, "
           f"{result.num_blocks} blocks; skipped: {skipped}")
-    if result.tokens_built:
+    if result.already_complete:
+        print("already complete: nothing to do")
+    else:
         print(f"tokenized {result.tokens_built:,} tokens in {result.seconds:.1f} s "
               f"({result.tokens_per_second / 1e6:.2f}M tokens/s)")
-    else:
-        print("already complete: nothing to do")
     return 0
 
 
@@ -51,7 +56,6 @@ def _token_arg(value: str | None):
 
 
 def _info(args: argparse.Namespace) -> int:
-    from .read import TokenCache
     cache = TokenCache(args.cache)
     lengths = cache.document_lengths()
     info = {
@@ -84,23 +88,53 @@ def _info(args: argparse.Namespace) -> int:
 
 
 def _verify(args: argparse.Namespace) -> int:
-    from .read import verify_cache
+    if args.repair:
+        return _repair(args)
     problems = verify_cache(args.cache)
     for p in problems:
         print(f"BAD {p}", file=sys.stderr)
     if problems:
-        print(f"{len(problems)} bad file(s) in {args.cache}", file=sys.stderr)
+        print(f"{len(problems)} bad file(s) in {args.cache}; `torchcache verify --repair "
+              f"{args.cache}` rebuilds the damaged blocks from the inputs", file=sys.stderr)
         return 1
     print(f"{args.cache}: all checksums match")
     return 0
 
 
+def _repair(args: argparse.Namespace) -> int:
+    result = repair_cache(args.cache)
+    for p in result.problems:
+        print(f"BAD {p}", file=sys.stderr)
+    for rel in result.repaired:
+        print(f"rebuilt {rel}")
+    if not result.problems:
+        print(f"{args.cache}: all checksums match; nothing to repair")
+        return 0
+    remaining = verify_cache(args.cache)
+    if remaining:
+        for p in remaining:
+            print(f"STILL BAD {p}", file=sys.stderr)
+        return 1
+    print(f"{args.cache}: repaired {len(result.repaired)} file(s); all checksums match now")
+    return 0
+
+
+def _token_range(text: str) -> tuple[int, int]:
+    start, colon, stop = text.partition(":")
+    try:
+        if not colon:
+            raise ValueError
+        return int(start), int(stop)
+    except ValueError:
+        raise ValueError(f"--tokens {text!r}: give a range START:STOP of token positions, "
+                         "e.g. --tokens 0:100") from None
+
+
 def _show(args: argparse.Namespace) -> int:
-    from .read import TokenCache
     cache = TokenCache(args.cache)
     if args.tokens:
-        start, _, stop = args.tokens.partition(":")
-        ids = cache.read(int(start), int(stop)).astype(np.int64)
+        start, stop = _token_range(args.tokens)
+        ids = cache.read(start, stop).astype(np.int64)
     else:
         ids = cache.document(args.document)
         key = cache.document_key(args.document)
@@ -114,8 +148,26 @@ def _show(args: argparse.Namespace) -> int:
     return 0
 
 
+# The library's messages name Python arguments; on the command line, name the flags instead.
+_FLAG_SPELLINGS = {"on_error='skip'": "--on-error skip", "allow_empty=True": "--allow-empty",
+                   "text_key": "--text-key", "block_tokens": "--block-tokens",
+                   "num_workers": "--workers"}
+
+
+def _one_line(error: BaseException) -> str:
+    """An error as one line for the terminal, in the command line's spelling."""
+    text = str(error).strip() or type(error).__name__
+    if isinstance(error, OSError) and error.filename and str(error.filename) not in text:
+        text = f"{error.filename}: {text}"
+    text = text.splitlines()[0]
+    for python, flag in _FLAG_SPELLINGS.items():
+        text = text.replace(python, flag)
+    return text
+
+
 def make_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="torchcache", description=__doc__)
+    parser.add_argument("--version", action="version", version=f"torchcache {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
 
     b = sub.add_parser("build", help="tokenize inputs into a cache (resumes an interrupted build)")
@@ -132,6 +184,8 @@ def make_parser() -> argparse.ArgumentParser:
     b.add_argument("--bos", default=None, help="BOS token id or string prepended to each document")
     b.add_argument("--keep-special-tokens", action="store_true",
                    help="let special-token strings inside documents become special tokens")
+    b.add_argument("--allow-empty", action="store_true",
+                   help="accept a build that yields no document (default: an error)")
     b.set_defaults(func=_build)
 
     c = sub.add_parser("convert-webdataset", help="convert WebDataset tars into a cache")
@@ -150,6 +204,8 @@ def make_parser() -> argparse.ArgumentParser:
     c.add_argument("--block-tokens", type=int, default=2 ** 24, help="target tokens per block")
     c.add_argument("-j", "--workers", type=int, default=None, help="worker processes")
     c.add_argument("--on-error", choices=("raise", "skip"), default="raise")
+    c.add_argument("--allow-empty", action="store_true",
+                   help="accept a conversion that yields no document (default: an error)")
     c.set_defaults(func=_convert)
 
     i = sub.add_parser("info", help="summarise a cache")
@@ -159,6 +215,8 @@ def make_parser() -> argparse.ArgumentParser:
 
     v = sub.add_parser("verify", help="recompute all checksums; non-zero exit on any bad file")
     v.add_argument("cache")
+    v.add_argument("--repair", action="store_true",
+                   help="rebuild the damaged blocks from the inputs (byte-identical)")
     v.set_defaults(func=_verify)
 
     s = sub.add_parser("show", help="decode a document or a token range")
@@ -176,8 +234,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
     try:
         return args.func(args)
-    except (ValueError, FileNotFoundError, RuntimeError, IndexError, TypeError, ImportError) as e:
-        print(f"torchcache {args.command}: error: {e}", file=sys.stderr)
+    except (ValueError, OSError, RuntimeError, IndexError, TypeError, ImportError) as e:
+        # bad input, a bad cache, a full or read-only disk: one line, no traceback
+        print(f"torchcache {args.command}: error: {_one_line(e)}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         print("interrupted; committed work is kept and re-running the same command resumes",

@@ -9,10 +9,19 @@ import numpy as np
 import torch
 from torch.utils.data import Dataset
 
+from ._args import (INT64_MAX, POSITION_LIMIT, bool_arg, choice_arg, index_array, int_arg,
+                    optional_int_arg)
 from .read import TokenCache
 
+
 def _open(cache: TokenCache | str | os.PathLike) -> TokenCache:
-    return cache if isinstance(cache, TokenCache) else TokenCache(cache)
+    """``cache`` itself, or the cache at that path or URL; TypeError for anything else."""
+    if isinstance(cache, TokenCache):
+        return cache
+    if isinstance(cache, (str, os.PathLike)):
+        return TokenCache(cache)
+    raise TypeError(f"cache must be a tc.TokenCache or the path/URL of one (str or os.PathLike), "
+                    f"got {type(cache).__name__}")
 
 
 _WINDOWS = "__torchcache_windows__"
@@ -38,8 +47,23 @@ class _GrowingDataset(Dataset):
         self.cache.refresh()
         return len(self)
 
+    @property
+    def tokenizer_identity(self) -> str:
+        """What the token ids mean: the tokenizer's fingerprint, or for pre-tokenized data (no
+        tokenizer) the vocabulary size and dtype. :class:`torchcache.MixtureDataset` refuses
+        sources that differ, since one id would stand for different text in each."""
+        tokenizer = self.cache.spec.get("tokenizer")
+        if tokenizer is not None:
+            return f"tokenizer fingerprint {tokenizer['fingerprint']}"
+        return (f"pre-tokenized ids (no tokenizer), vocab_size={self.cache.vocab_size}, "
+                f"dtype={self.cache.spec['dtype']}")
+
     def _check(self, indices: Sequence[int]) -> np.ndarray:
-        idx = np.asarray(indices, dtype=np.int64).reshape(-1)
+        """``indices`` as flat int64 positions in ``[0, len)``: one vectorised check per batch.
+
+        TypeError for non-integers (``1.5``, ``"3"``, bools), IndexError out of range.
+        """
+        idx = index_array(indices, "indices").reshape(-1)
         n = len(self)
         if idx.size and (idx.max() >= n or idx.min() < -n):
             if idx.max() >= n and not self.cache.complete:
@@ -47,9 +71,18 @@ class _GrowingDataset(Dataset):
                 n = len(self)
             bad = idx[(idx >= n) | (idx < -n)]
             if bad.size:
-                raise IndexError(f"index {int(bad[0])} out of range for {type(self).__name__} of "
-                                 f"length {n}")
+                raise IndexError(self._out_of_range(int(bad[0]), n))
         return np.where(idx < 0, idx + n, idx)
+
+    def _check_index(self, index: int) -> int:
+        """One index (any integer type, negative from the end) as a position in ``[0, len)``."""
+        i = int_arg(index, "index", minimum=None)
+        if not -INT64_MAX - 1 <= i <= INT64_MAX:
+            raise IndexError(self._out_of_range(i, len(self)))
+        return int(self._check([i])[0])
+
+    def _out_of_range(self, index: int, n: int) -> str:
+        return f"index {index} out of range for {type(self).__name__} of length {n}"
 
 
 class TokenDataset(_GrowingDataset):
@@ -64,28 +97,46 @@ class TokenDataset(_GrowingDataset):
     (int32[max_segments + 1], cumulative lengths of the document pieces inside the sample, padded
     with seq_len) with `num_segments` giving how many entries are valid, for variable-length
     attention. `len()` follows the committed cache; call `refresh()` to pick up new blocks.
+    A finished cache too short for one sample (fewer than seq_len + 1 tokens) is a ValueError
+    here; a cache still being built may be that short at first.
     """
 
     def __init__(self, cache: TokenCache | str | os.PathLike, seq_len: int, *,
                  labels: str = "shifted", document_boundaries: bool = False,
                  max_segments: int | None = None):
-        if not isinstance(seq_len, int) or seq_len < 1:
-            raise ValueError(f"seq_len must be a positive int, not {seq_len!r}")
-        if labels not in ("shifted", "same"):
-            raise ValueError(f"labels must be 'shifted' (next tokens) or 'same' (equal to "
-                             f"input_ids), not {labels!r}")
-        if max_segments is not None and not 1 <= max_segments <= seq_len:
-            raise ValueError(f"max_segments must be in [1, seq_len], not {max_segments}")
+        self.seq_len = int_arg(seq_len, "seq_len", minimum=1, maximum=POSITION_LIMIT)
+        self.labels = choice_arg(labels, "labels", ("shifted", "same"))
+        self.document_boundaries = bool_arg(document_boundaries, "document_boundaries")
+        max_segments = optional_int_arg(max_segments, "max_segments", 1, self.seq_len)
+        self.max_segments = self.seq_len if max_segments is None else max_segments
         self.cache = _open(cache)
-        self.seq_len = seq_len
-        self.labels = labels
-        self.document_boundaries = document_boundaries
-        self.max_segments = max_segments or seq_len
+        self._require_one_sample()
+
+    def _require_one_sample(self) -> None:
+        """ValueError if a finished cache is too short for even one sample (a silent empty
+        dataset otherwise); a cache still being built may legitimately be short at first."""
+        if not self.cache.complete or len(self) > 0:
+            return
+        tokens = self.cache.num_tokens
+        fix = (f"use seq_len <= {tokens - 1}" if tokens >= 2
+               else "it is too small for any sample: build it from more data")
+        raise ValueError(f"seq_len={self.seq_len} is too long for the cache at {self.cache.url}: "
+                         f"it holds {tokens} tokens and one sample needs seq_len + 1 = "
+                         f"{self.seq_len + 1}; {fix}")
 
     @property
     def fingerprint(self) -> str:
         """Identity of the sample stream: the cache's fingerprint and the window length."""
         return f"{self.cache.fingerprint}/seq{self.seq_len}"
+
+    @property
+    def item_signature(self) -> str:
+        """The keys and shapes of an item; :class:`torchcache.MixtureDataset` refuses sources
+        that differ, since torch's default collate cannot batch them together."""
+        keys = "input_ids, labels"
+        if self.document_boundaries:
+            keys += f", position_ids, cu_seqlens[{self.max_segments + 1}], num_segments"
+        return f"token windows of seq_len={self.seq_len} ({keys})"
 
     def __len__(self) -> int:
         return max(0, (self.cache.num_tokens - 1) // self.seq_len)
@@ -95,11 +146,14 @@ class TokenDataset(_GrowingDataset):
 
     def read_windows(self, indices: Sequence[int]) -> np.ndarray:
         """Token windows (len(indices), seq_len + 1) in the cache's dtype, read in one call."""
-        idx = self._check(indices)
+        return self._read(self._check(indices))
+
+    def _read(self, idx: np.ndarray) -> np.ndarray:
+        """The windows of checked sample positions ``idx``."""
         return self.cache.read_many(idx * self.seq_len, self.seq_len + 1)
 
     def __getitem__(self, index: int) -> dict[str, torch.Tensor]:
-        return self.__getitems__([index])[0]
+        return self.__getitems__([self._check_index(index)])[0]
 
     def __getitems__(self, indices: Sequence[int]) -> list[dict[str, torch.Tensor]]:
         """Samples ``indices`` as a list of dicts (what torch's fetcher passes to ``collate_fn``).
@@ -132,7 +186,7 @@ class TokenDataset(_GrowingDataset):
         int64 tensors) and the main process widens it with :meth:`expand_batch`.
         """
         idx = self._check(indices)
-        windows = self.read_windows(idx)
+        windows = self._read(idx)
         signed = np.int16 if windows.dtype.itemsize == 2 else np.int32  # torch-friendly view
         batch = {_WINDOWS: torch.from_numpy(windows.view(signed))}
         if self.document_boundaries:
@@ -148,6 +202,9 @@ class TokenDataset(_GrowingDataset):
 
     def expand_batch(self, compact: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """A :meth:`compact_batch` as the training batch: int64 ``input_ids`` and ``labels``."""
+        if not is_compact_batch(compact):
+            raise TypeError(f"compact must be a batch made by compact_batch(), got "
+                            f"{type(compact).__name__}")
         compact = dict(compact)
         windows = compact.pop(_WINDOWS).numpy().view(self.cache.dtype)
         input_ids = torch.from_numpy(windows[:, :-1].astype(np.int64))
@@ -183,12 +240,16 @@ class DocumentDataset(_GrowingDataset):
     def fingerprint(self) -> str:
         return f"{self.cache.fingerprint}/documents"
 
+    @property
+    def item_signature(self) -> str:
+        """The shape of an item (see :attr:`TokenDataset.item_signature`)."""
+        return "whole documents (one variable-length LongTensor each)"
+
     def __len__(self) -> int:
         return self.cache.num_documents
 
     def __getitem__(self, index: int) -> torch.Tensor:
-        (i,) = self._check([index]).tolist()
-        return torch.from_numpy(self.cache.document(i))
+        return torch.from_numpy(self.cache.document(self._check_index(index)))
 
     def __getitems__(self, indices: Sequence[int]) -> list[torch.Tensor]:
         return [torch.from_numpy(self.cache.document(i)) for i in self._check(indices).tolist()]

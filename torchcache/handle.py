@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
-import multiprocessing as mp
+import atexit
 import threading
 import time
+from multiprocessing.connection import Connection
 from typing import Any
 
+from ._procs import Child, start_child
 from .inputs import resolve_inputs
 
 
@@ -23,8 +25,8 @@ class BuildHandle:
         self._progress: dict[str, Any] = {}
         self._lock = threading.Lock()
         self._cancelled = threading.Event()
-        self._process = None
-        self._conn = None
+        self._child: Child | None = None
+        self._conn: Connection | None = None
         self._thread: threading.Thread | None = None
 
     @classmethod
@@ -32,18 +34,20 @@ class BuildHandle:
         handle = cls()
         sources = resolve_inputs(inputs, kwargs.get("storage_options"))
         if isinstance(sources, list) and not any(s.process_local for s in sources):
-            ctx = mp.get_context("spawn")
-            parent, child = ctx.Pipe(duplex=False)
-            handle._conn = parent
-            handle._process = ctx.Process(target=_child_main, args=(inputs, output, tokenizer, kwargs, child),
-                                          daemon=False, name="torchcache-build")
-            handle._process.start()
-            child.close()
+            handle._child = start_child("torchcache.handle:_child_main", inputs, output, tokenizer,
+                                        kwargs)
+            handle._conn = handle._child.conn
+            atexit.register(handle._finish_at_exit)
         else:
             handle._thread = threading.Thread(target=handle._thread_main,
                                               args=(inputs, output, tokenizer, kwargs), daemon=True)
             handle._thread.start()
         return handle
+
+    def _finish_at_exit(self) -> None:
+        """A program that ends while its build runs waits for the build, as before it ended."""
+        if self._child is not None and self._child.is_alive():
+            self._child.join()
 
     # -- thread mode
     def _thread_main(self, inputs, output, tokenizer, kwargs) -> None:
@@ -73,15 +77,26 @@ class BuildHandle:
                 elif kind == "error":
                     self._error = payload
         except (EOFError, OSError):
+            self._conn.close()
             self._conn = None
-        if self._process is not None and self._conn is None and not self._process.is_alive():
-            self._process.join()
-            if self._result is None and self._error is None:
-                from .build import BuildError
-                reason = "it was cancelled" if self._cancelled.is_set() else \
-                    f"the build process died (exit code {self._process.exitcode})"
-                self._error = BuildError(f"background build stopped: {reason}; committed blocks are "
-                                         "kept and re-running the build resumes it")
+        if self._conn is None or self._result is not None or self._error is not None:
+            self._reap()
+
+    def _reap(self) -> None:
+        """Wait for the finished build process (so it leaves no zombie) and explain its end."""
+        child = self._child
+        if child is None or child.join(timeout=None if self._conn is None else 5) is None:
+            return
+        atexit.unregister(self._finish_at_exit)
+        if self._result is None and self._error is None:
+            from .build import BuildError
+            reason = "it was cancelled" if self._cancelled.is_set() else \
+                f"the build process died (exit code {child.exitcode})"
+            self._error = BuildError(f"background build stopped: {reason}; committed blocks are "
+                                     "kept and re-running the build resumes it")
+        if self._conn is not None:
+            self._conn.close()
+            self._conn = None
 
     @property
     def done(self) -> bool:
@@ -125,15 +140,16 @@ class BuildHandle:
     def cancel(self) -> None:
         """Stop the build. Committed blocks stay; running the same build again resumes it."""
         self._cancelled.set()
-        if self._process is not None and self._process.is_alive():
-            self._process.terminate()
-            self._process.join()
+        if self._child is not None and self._child.is_alive():
+            self._child.terminate()
+            self._child.join()
         if self._thread is not None:
             self._thread.join()
         self._poll()
 
 
-def _child_main(inputs, output, tokenizer, kwargs, conn) -> None:
+def _child_main(conn: Connection, inputs, output, tokenizer, kwargs) -> None:
+    """The background build process (see _procs): runs the build, reports progress and outcome."""
     from .build import _build
 
     def report(progress: dict) -> None:

@@ -19,14 +19,20 @@ from typing import Any
 import torch.utils.data
 from torch.utils.data._utils.pin_memory import pin_memory as _pin_memory
 
+from torchcache._args import bool_arg, int_arg, number_arg, optional_int_arg
 from torchcache._permutation import PERMUTATION_ALGORITHM
 from torchcache.dataset import TokenDataset
-from torchcache.sample import DistributedSampler, _check_state, _int_arg
+from torchcache.sample import DistributedSampler, _check_state, _length
 
 __all__ = ["DataLoader"]
 
 LOADER_STATE_FORMAT = "torchcache.loader"
 LOADER_STATE_VERSION = 1
+_LOADER_FIELDS = ("format", "version", "algorithm", "counts", "consumed", "seed", "shuffle",
+                  "num_samples", "window", "fingerprint", "world_size", "batch_size")
+#: Fields of a loaded state that must equal this loader's (world and batch size may change).
+_MATCHING = ("format", "version", "algorithm", "counts", "num_samples", "fingerprint", "seed",
+             "shuffle", "window")
 
 
 class DataLoader(torch.utils.data.DataLoader):
@@ -98,8 +104,9 @@ class DataLoader(torch.utils.data.DataLoader):
         compact_transfer: bool = True,
         **kwargs: Any,
     ) -> None:
-        if isinstance(prefetch_batches, bool) or not isinstance(prefetch_batches, int) or prefetch_batches < 0:
-            raise ValueError(f"prefetch_batches must be an int >= 0, not {prefetch_batches!r}")
+        _check_loader_args(batch_size=batch_size, shuffle=shuffle, num_workers=num_workers,
+                           pin_memory=pin_memory, drop_last=drop_last, timeout=timeout, seed=seed,
+                           prefetch_batches=prefetch_batches, compact_transfer=compact_transfer)
         if prefetch_batches and num_workers:
             raise ValueError(
                 f"prefetch_batches={prefetch_batches} reads ahead in a thread of this process and "
@@ -119,12 +126,12 @@ class DataLoader(torch.utils.data.DataLoader):
         else:
             if seed is not None:
                 raise ValueError("seed is only used when sampler is None; set it on the DistributedSampler")
-            if shuffle is not None and bool(shuffle) != sampler.shuffle:
+            if shuffle is not None and shuffle != sampler.shuffle:
                 raise ValueError(
                     f"shuffle={shuffle} contradicts sampler.shuffle={sampler.shuffle}; "
                     "set shuffle on the DistributedSampler only"
                 )
-        if sampler.num_samples != len(dataset):
+        if sampler.num_samples != _length(dataset):
             raise ValueError(
                 f"sampler covers {sampler.num_samples} samples but len(dataset) is {len(dataset)}; "
                 "build the sampler over the same dataset"
@@ -257,7 +264,11 @@ class DataLoader(torch.utils.data.DataLoader):
         """Continue from a :meth:`state_dict`: the next ``iter()`` starts at its consumed position.
 
         Refuses (ValueError) a state of another format, version, permutation algorithm, dataset
-        (fingerprint or sample count), seed or shuffle. World size and batch size may differ:
+        (fingerprint or sample count), seed or shuffle, and one that identifies no dataset (null
+        fingerprint and sample count where this dataset has a fingerprint). Every field is
+        checked here, not at the next batch (TypeError/ValueError naming it): missing or unknown
+        fields, wrong types, and a ``consumed`` that is not an int in ``[0, 2**62)``, for
+        instance. World size and batch size may differ:
         the global stream simply continues. A live iterator keeps yielding its old stream but no
         longer counts (with ``prefetch_batches`` it is stopped: its ``next()`` raises
         RuntimeError); the loaded state takes effect at the next ``iter()``.
@@ -269,21 +280,37 @@ class DataLoader(torch.utils.data.DataLoader):
                 "sampler.load_state_dict()"
             )
         current = self.state_dict()
-        expected = {k: current[k] for k in ("format", "version", "algorithm", "num_samples",
-                                            "fingerprint", "seed", "shuffle", "window")}
-        _check_state(
+        checked = _check_state(
             state,
-            expected,
+            {k: current[k] for k in _MATCHING},
+            _LOADER_FIELDS,
             "DataLoader",
             "Resume with the same dataset/cache, seed, shuffle and torchcache version that wrote "
             "the state; to train on different data, start a new run instead of loading it.",
         )
-        consumed = _int_arg(state.get("consumed"), "state['consumed']", 0)
+        consumed = checked["consumed"]
         self._stop_prefetching()
         self._consumed = consumed
         self._generation += 1
         self.sampler._move_to(consumed)
         self._sampler_moves = self.sampler._moves
+
+
+def _check_loader_args(*, batch_size: Any, shuffle: Any, num_workers: Any, pin_memory: Any,
+                       drop_last: Any, timeout: Any, seed: Any, prefetch_batches: Any,
+                       compact_transfer: Any) -> None:
+    """Type and range of the loader's own and torch's plain arguments, so a wrong one fails
+    here, named, instead of being taken as true (``shuffle="no"``) or failing inside torch."""
+    optional_int_arg(batch_size, "batch_size", 1)
+    if shuffle is not None:
+        bool_arg(shuffle, "shuffle")
+    int_arg(num_workers, "num_workers", 0)
+    bool_arg(pin_memory, "pin_memory")
+    bool_arg(drop_last, "drop_last")
+    number_arg(timeout, "timeout", 0)
+    optional_int_arg(seed, "seed", 0)
+    int_arg(prefetch_batches, "prefetch_batches", 0)
+    bool_arg(compact_transfer, "compact_transfer")
 
 
 def _plain_token_dataset(dataset: Any) -> bool:

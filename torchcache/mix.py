@@ -38,7 +38,6 @@ import hashlib
 import json
 import math
 import numbers
-import operator
 from collections.abc import Iterable, Iterator, Mapping
 from fractions import Fraction
 from typing import Any
@@ -46,8 +45,9 @@ from typing import Any
 import numpy as np
 from torch.utils.data import Dataset
 
+from torchcache._args import (INT64_MAX, POSITION_LIMIT, bool_arg, index_array, int_arg,
+                              optional_int_arg)
 from torchcache._permutation import PERMUTATION_ALGORITHM, Permutation, derive_key
-from torchcache.sample import _int_arg
 
 __all__ = ["MixtureDataset", "MIXTURE_ALGORITHM"]
 
@@ -131,6 +131,52 @@ def _groups(keys: np.ndarray) -> Iterator[tuple[int, np.ndarray]]:
         yield int(keys[part[0]]), part
 
 
+def _shared(values: Mapping[str, str]) -> str | None:
+    """The one value all ``values`` agree on; a "mixed" marker when they differ; None if empty.
+
+    A mixture passes this on as its own value, so a mixture nested in another is checked too.
+    """
+    distinct = sorted(set(values.values()))
+    if len(distinct) <= 1:
+        return distinct[0] if distinct else None
+    return "mixed: " + " | ".join(distinct)
+
+
+def _disagreement(values: Mapping[str, str]) -> tuple[str, str] | None:
+    """Names of the first source and the first one whose value differs from it, or None."""
+    items = list(values.items())
+    for name, value in items[1:]:
+        if value != items[0][1]:
+            return items[0][0], name
+    return None
+
+
+def _refuse_mixed_tokenizers(identities: Mapping[str, str]) -> None:
+    """ValueError if the sources' token ids come from different tokenizers."""
+    pair = _disagreement(identities)
+    if pair is None:
+        return
+    a, b = pair
+    raise ValueError(
+        f"sources {a!r} and {b!r} were tokenized differently ({a}: {identities[a]}; {b}: "
+        f"{identities[b]}): the same token id stands for different text in each, so the "
+        "mixture would feed the model nonsense. Build every source with the same tokenizer, or "
+        "pass allow_mixed_tokenizers=True if the model really takes both")
+
+
+def _refuse_mixed_items(signatures: Mapping[str, str]) -> None:
+    """ValueError if the sources' items have different keys or shapes."""
+    pair = _disagreement(signatures)
+    if pair is None:
+        return
+    a, b = pair
+    raise ValueError(
+        f"sources {a!r} and {b!r} give items of different shapes ({a}: {signatures[a]}; {b}: "
+        f"{signatures[b]}): torch's default collate cannot batch them, so the first mixed batch "
+        "would fail. Use the same dataset class, seq_len, document_boundaries and max_segments "
+        "for every source, or pass allow_mixed_items=True with a collate_fn that handles both")
+
+
 class _Stage:
     """One stage of the schedule: proportions ``a[k] / denom`` from block ``block`` on."""
 
@@ -176,6 +222,15 @@ class MixtureDataset(Dataset):
             have ``B * p >= 1`` (``p`` its proportion in that stage), else ValueError saying which
             block size would work.
         num_samples: ``len(mix)``.
+        allow_mixed_tokenizers: accept sources whose token ids come from different tokenizers
+            (their ``tokenizer_identity``: the tokenizer's fingerprint, or vocabulary size and
+            dtype for pre-tokenized caches). Refused by default: one id would mean different
+            text in each source.
+        allow_mixed_items: accept sources whose items differ in keys or shapes (their
+            ``item_signature``: e.g. TokenDatasets with different ``seq_len``, or a
+            TokenDataset with a DocumentDataset); the DataLoader then needs a ``collate_fn``
+            that handles both. Sources without these attributes (plain torch datasets) are
+            not checked.
 
     Length: mixture indices are unbounded: ``mix[i]`` is defined for every ``i >= 0`` (sources
     that run out start a new, differently permuted pass), and the class sets
@@ -201,6 +256,8 @@ class MixtureDataset(Dataset):
         seed: int = 0,
         block_size: int = 1024,
         num_samples: int | None = None,
+        allow_mixed_tokenizers: bool = False,
+        allow_mixed_items: bool = False,
     ) -> None:
         if not isinstance(datasets, Mapping):
             raise TypeError(f"datasets must be a dict name -> dataset, got {type(datasets).__name__}")
@@ -219,11 +276,13 @@ class MixtureDataset(Dataset):
         self.datasets: dict[str, Any] = dict(datasets)
         self.names: tuple[str, ...] = tuple(self.datasets)
         self._datasets = tuple(self.datasets.values())
-        self._lengths = tuple(_int_arg(len(ds), f"len(datasets[{n!r}])", 0)
+        self._lengths = tuple(int_arg(len(ds), f"len(datasets[{n!r}])", 0)
                               for n, ds in self.datasets.items())
-        self.seed = _int_arg(seed, "seed", 0)
-        self.block_size = _int_arg(block_size, "block_size", 1)
-        self.num_samples = None if num_samples is None else _int_arg(num_samples, "num_samples", 1)
+        self.seed = int_arg(seed, "seed", 0)
+        self.block_size = int_arg(block_size, "block_size", 1, POSITION_LIMIT)
+        self.num_samples = optional_int_arg(num_samples, "num_samples", 1, POSITION_LIMIT)
+        self._check_sources_agree(bool_arg(allow_mixed_tokenizers, "allow_mixed_tokenizers"),
+                                  bool_arg(allow_mixed_items, "allow_mixed_items"))
 
         if weights is not None and schedule is not None:
             raise ValueError("pass weights or schedule, not both (a constant mixture is a "
@@ -233,8 +292,9 @@ class MixtureDataset(Dataset):
                 weights = dict(zip(self.names, self._lengths))
             stages_in = [(0, weights)]
         else:
-            if isinstance(schedule, Mapping):
-                raise TypeError("schedule must be a list of (start_sample, weights) pairs")
+            if isinstance(schedule, (Mapping, str, bytes)) or not isinstance(schedule, Iterable):
+                raise TypeError(f"schedule must be a list of (start_sample, weights) pairs, got "
+                                f"{type(schedule).__name__}")
             stages_in = list(schedule)
             if not stages_in:
                 raise ValueError("schedule is empty: give at least one (0, weights) stage")
@@ -252,6 +312,27 @@ class MixtureDataset(Dataset):
 
     # -- construction ---------------------------------------------------------------------------
 
+    def _check_sources_agree(self, mixed_tokenizers: bool, mixed_items: bool) -> None:
+        """Refuse sources with different tokenizers or item shapes (unless allowed); record the
+        shared values as this mixture's ``tokenizer_identity`` and ``item_signature``."""
+        identities = self._source_values("tokenizer_identity")
+        signatures = self._source_values("item_signature")
+        if not mixed_tokenizers:
+            _refuse_mixed_tokenizers(identities)
+        if not mixed_items:
+            _refuse_mixed_items(signatures)
+        self.tokenizer_identity = _shared(identities)
+        self.item_signature = _shared(signatures)
+
+    def _source_values(self, attribute: str) -> dict[str, str]:
+        """Each source's ``attribute``, for the sources that have one (not None)."""
+        values = {}
+        for name, ds in self.datasets.items():
+            value = getattr(ds, attribute, None)
+            if value is not None:
+                values[name] = str(value)
+        return values
+
     def _parse_stages(self, stages_in: list[Any]) -> list[_Stage]:
         B = self.block_size
         stages: list[_Stage] = []
@@ -261,7 +342,7 @@ class MixtureDataset(Dataset):
             except (TypeError, ValueError):
                 raise TypeError(f"schedule stage {s} must be a (start_sample, weights) pair, "
                                 f"got {item!r}") from None
-            start = _int_arg(start, f"schedule stage {s} start", 0)
+            start = int_arg(start, f"schedule stage {s} start", 0, POSITION_LIMIT)
             if s == 0 and start != 0:
                 raise ValueError(f"the first schedule stage must start at sample 0, not {start}")
             if stages and start <= stages[-1].start:
@@ -434,23 +515,9 @@ class MixtureDataset(Dataset):
 
     @staticmethod
     def _indices(indices: Any) -> np.ndarray:
-        """Mixture indices as an int64 array (same shape); IndexError for negative ones."""
-        arr = np.asarray(indices)
-        if arr.dtype.kind == "O":  # Python ints beyond uint64, or mixed objects
-            try:
-                values = [operator.index(x) for x in arr.ravel()]
-            except TypeError:
-                raise TypeError(f"mixture indices must be integers, got {indices!r:.80}") from None
-            if values and (min(values) < 0 or max(values) > np.iinfo(np.int64).max):
-                bad = min(values) if min(values) < 0 else max(values)
-                raise IndexError(f"mixture index {bad} out of range [0, 2**63)")
-            arr = np.array(values, dtype=np.int64).reshape(arr.shape)
-        elif arr.dtype.kind == "u":
-            if arr.size and int(arr.max()) > np.iinfo(np.int64).max:
-                raise IndexError(f"mixture index {int(arr.max())} out of range [0, 2**63)")
-        elif arr.dtype.kind != "i" and (arr.size or arr.dtype.kind == "b"):
-            raise TypeError(f"mixture indices must be integers, got dtype {arr.dtype}")
-        arr = arr.astype(np.int64, copy=False)
+        """Mixture indices as an int64 array (same shape), checked in one vectorised step:
+        TypeError for non-integers, IndexError for negative ones or ones past int64."""
+        arr = index_array(indices, "indices")
         if arr.size and arr.min() < 0:
             raise IndexError(f"mixture index {int(arr.min())} is negative (a mixture has no end, "
                              "so negative indices have no meaning)")
@@ -504,8 +571,8 @@ class MixtureDataset(Dataset):
         partial blocks, so any range costs the same, however long or far out. Use it to check a
         schedule (see ``examples/mixture_schedule.py``).
         """
-        start = _int_arg(start, "start", 0)
-        stop = _int_arg(stop, "stop", 0)
+        start = int_arg(start, "start", 0, INT64_MAX)
+        stop = int_arg(stop, "stop", 0, INT64_MAX)
         if stop < start:
             raise ValueError(f"stop must be >= start, got start={start}, stop={stop}")
         B = self.block_size
@@ -542,15 +609,13 @@ class MixtureDataset(Dataset):
 
     @staticmethod
     def _scalar(index: Any) -> int:
-        if isinstance(index, (bool, np.bool_)):
-            raise TypeError(f"mixture index must be an integer, got {index!r}")
-        try:
-            index = operator.index(index)
-        except TypeError:
-            raise TypeError(f"mixture index must be an integer, got {type(index).__name__}") from None
+        """One mixture index as an int in ``[0, 2**63)``; TypeError/IndexError naming it."""
+        index = int_arg(index, "index", minimum=None)
         if index < 0:
             raise IndexError(f"mixture index {index} is negative (a mixture has no end, so "
                              "negative indices have no meaning)")
+        if index > INT64_MAX:
+            raise IndexError(f"mixture index {index} is out of range (beyond int64)")
         return index
 
     def __getitem__(self, index: int) -> Any:

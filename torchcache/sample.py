@@ -12,17 +12,18 @@ position 10**12 costs the same as at 0.
 from __future__ import annotations
 
 import math
-import operator
 import time
 import warnings
 from collections import OrderedDict
-from collections.abc import Iterator, Mapping, Sized
+from collections.abc import Callable, Collection, Iterator, Mapping, Sized
 from typing import Any
 
 import numpy as np
 import torch
 from torch.utils.data import Sampler
 
+from torchcache._args import (POSITION_LIMIT, bool_arg, index_array, int_arg, number_arg,
+                              optional_int_arg, position_arg)
 from torchcache._permutation import PERMUTATION_ALGORITHM, Permutation, derive_key
 
 __all__ = ["DistributedSampler"]
@@ -30,21 +31,12 @@ __all__ = ["DistributedSampler"]
 SAMPLER_STATE_FORMAT = "torchcache.sampler"
 SAMPLER_STATE_VERSION = 1
 
+_SAMPLER_FIELDS = ("format", "version", "counts", "position", "world_size", "algorithm", "seed",
+                   "shuffle", "num_samples", "window")
+_ITERATOR_FIELDS = _SAMPLER_FIELDS + ("remaining",)
+
 _CHUNK = 1024  # positions per rank mapped in one vectorised call while iterating
 _PERM_CACHE = 4  # Permutation objects kept (an iteration chunk spans at most a few epochs)
-
-
-def _int_arg(value: Any, name: str, minimum: int) -> int:
-    """``value`` as an int >= ``minimum``, or a TypeError/ValueError naming ``name``."""
-    if isinstance(value, (bool, np.bool_)):
-        raise TypeError(f"{name} must be an integer, got {value!r}")
-    try:
-        value = operator.index(value)
-    except TypeError:
-        raise TypeError(f"{name} must be an integer, got {type(value).__name__}") from None
-    if value < minimum:
-        raise ValueError(f"{name} must be >= {minimum}, got {value}")
-    return value
 
 
 def _distributed_defaults() -> tuple[int, int]:
@@ -55,29 +47,149 @@ def _distributed_defaults() -> tuple[int, int]:
     return 0, 1
 
 
-def _check_state(state: Any, expected: Mapping[str, Any], what: str, hint: str) -> None:
-    """Refuse ``state`` with one ValueError listing every field that differs from ``expected``.
+# -- saved states: every field checked when loaded, not at the next batch ----------------------
 
-    ``expected`` maps field name -> required value; a ``None`` on either side of
-    ``"fingerprint"`` or ``"num_samples"`` (a cache still being built) means "unknown" and is
-    not compared. ``hint`` says what to do instead.
+def _text_field(value: Any, name: str) -> str:
+    if not isinstance(value, str):
+        raise TypeError(f"{name} must be a str, got {type(value).__name__}")
+    return value
+
+
+def _count_field(value: Any, name: str) -> int:
+    return int_arg(value, name, minimum=0)
+
+
+def _positive_field(value: Any, name: str) -> int:
+    return int_arg(value, name, minimum=1)
+
+
+def _optional_count_field(value: Any, name: str) -> int | None:
+    return optional_int_arg(value, name, minimum=0)
+
+
+def _optional_positive_field(value: Any, name: str) -> int | None:
+    return optional_int_arg(value, name, minimum=1)
+
+
+def _fingerprint_field(value: Any, name: str) -> str | int | None:
+    """A dataset fingerprint as :meth:`torchcache.DataLoader.state_dict` saves it: str, int or None."""
+    if value is None or isinstance(value, str):
+        return value
+    return int_arg(value, name, minimum=None)
+
+
+#: How each field a state may hold is checked (a TypeError/ValueError naming ``state[field]``).
+_STATE_FIELDS: dict[str, Callable[[Any, str], Any]] = {
+    "format": _text_field,
+    "version": _count_field,
+    "algorithm": _text_field,
+    "counts": _text_field,
+    "seed": _count_field,
+    "shuffle": bool_arg,
+    "num_samples": _optional_count_field,
+    "window": _optional_positive_field,
+    "fingerprint": _fingerprint_field,
+    "world_size": _positive_field,
+    "batch_size": _optional_positive_field,
+    "position": position_arg,
+    "consumed": position_arg,
+    "remaining": _optional_count_field,
+}
+
+_IDENTITY = ("fingerprint", "num_samples")  # what says which dataset a state belongs to
+
+
+def _check_state(state: Any, expected: Mapping[str, Any], fields: Collection[str], what: str,
+                 hint: str) -> dict[str, Any]:
+    """Validate a saved ``state`` of ``what`` completely; return its checked fields.
+
+    ``fields`` are the keys the state must have, no more (``expected``'s among them). In order:
+    a state of another format or version is refused first (ValueError; its other fields mean
+    something else); then every field's type and range (TypeError/ValueError naming it); then
+    one ValueError listing every field that differs from ``expected`` (``hint`` says what to do
+    instead). A null ``"fingerprint"`` or ``"num_samples"`` (a dataset without a fingerprint, a
+    cache still being built) matches anything, but not both at once for a dataset they would
+    identify: see :func:`_identity_problems`.
     """
     if not isinstance(state, Mapping):
         raise TypeError(f"state must be a dict from {what}.state_dict(), got {type(state).__name__}")
+    _refuse(_differences(state, expected, ("format", "version"), what), what, hint)
+    checked = _checked_fields(state, fields, what)
+    _refuse(_differences(checked, expected, expected, what)
+            + _identity_problems(checked, expected, what), what, hint)
+    return checked
+
+
+def _checked_fields(state: Mapping[str, Any], fields: Collection[str], what: str) -> dict[str, Any]:
+    """Each field of ``state`` through its :data:`_STATE_FIELDS` check; missing or unknown ones refused."""
+    missing = [key for key in fields if key not in state]
+    unknown = [key for key in state if key not in fields]
+    if missing or unknown:
+        parts = ([f"missing {missing}"] if missing else []) + ([f"unknown {unknown}"] if unknown else [])
+        raise ValueError(f"cannot load this state into {what}: fields " + ", ".join(parts) +
+                         f"; a {what} state has exactly {sorted(fields)}")
+    return {key: _STATE_FIELDS[key](state[key], f"state[{key!r}]") for key in fields}
+
+
+def _differences(state: Mapping[str, Any], expected: Mapping[str, Any], keys: Collection[str],
+                 what: str) -> list[str]:
+    """One line per key of ``keys`` whose value in ``state`` is not the expected one."""
     problems = []
-    for key, want in expected.items():
+    for key in keys:
         if key not in state:
             problems.append(f"{key!r} is missing")
             continue
-        got = state[key]
-        if key in ("fingerprint", "num_samples") and (got is None or want is None):
+        got, want = state[key], expected[key]
+        if key in _IDENTITY and (got is None or want is None):
             continue
         if got != want or type(got) is bool and type(want) is not bool:
             problems.append(f"{key}: saved {got!r}, this {what} has {want!r}")
+    return problems
+
+
+def _identity_problems(state: Mapping[str, Any], expected: Mapping[str, Any],
+                       what: str) -> list[str]:
+    """Why nothing in ``state`` ties it to this dataset, although no field differs; or [].
+
+    This library saves a null ``num_samples`` only while a quick-start sampler (``window``)
+    trains on a cache still being built, and a null ``fingerprint`` only for a dataset that has
+    none. A state that identifies nothing (both null where this dataset has a fingerprint, or
+    each side knowing a different half) would load into any dataset: refused.
+    """
+    problems = []
+    if "num_samples" in expected and state["num_samples"] is None and state["window"] is None:
+        problems.append("num_samples: saved null without a window (only a quick-start state, "
+                        "saved while its cache was still being built, has a null num_samples)")
+    if "fingerprint" not in expected:
+        return problems
+    known = [key for key in _IDENTITY if state[key] is not None and expected[key] is not None]
+    if not known and state["fingerprint"] != expected["fingerprint"]:
+        problems.append(
+            f"fingerprint and num_samples: the state has fingerprint {state['fingerprint']!r} and "
+            f"num_samples {state['num_samples']!r}, this {what} has {expected['fingerprint']!r} "
+            f"and {expected['num_samples']!r}, so nothing shows that the state belongs to this "
+            "dataset")
+    return problems
+
+
+def _refuse(problems: list[str], what: str, hint: str) -> None:
     if problems:
-        raise ValueError(
-            f"cannot load this state into {what}: " + "; ".join(problems) + f". {hint}"
-        )
+        raise ValueError(f"cannot load this state into {what}: " + "; ".join(problems) + f". {hint}")
+
+
+def _length(dataset: Any) -> int:
+    """``len(dataset)``; a TypeError naming ``dataset`` if it has no length."""
+    if not hasattr(dataset, "__len__"):
+        raise TypeError(f"dataset must be a sized dataset (with len()), got {type(dataset).__name__}")
+    return int_arg(len(dataset), "len(dataset)", 0)
+
+
+def _build_handle(build: Any) -> Any:
+    """``build``: None or a :class:`torchcache.BuildHandle` (anything with an ``error`` attribute)."""
+    if build is not None and not hasattr(build, "error"):
+        raise TypeError(f"build must be the tc.BuildHandle of the background build (or None), "
+                        f"got {type(build).__name__}")
+    return build
 
 
 class DistributedSampler(Sampler[int]):
@@ -142,16 +254,16 @@ class DistributedSampler(Sampler[int]):
         build: Any = None,
     ) -> None:
         self.dataset = dataset
-        self.num_samples = _int_arg(len(dataset), "len(dataset)", 0)
-        self.window = None if window is None else _int_arg(window, "window", 1)
+        self.num_samples = _length(dataset)
+        self.window = optional_int_arg(window, "window", 1, POSITION_LIMIT)
         # Datasets with unbounded indices (tc.MixtureDataset): already shuffled, read in order.
         self.unbounded = bool(getattr(dataset, "unbounded_indices", False))
         if self.unbounded and self.window is not None:
             raise ValueError(
                 f"window= (quick start) is not supported for {type(dataset).__name__}: its "
                 "indices are an already shuffled, unbounded stream, read in order; drop window=")
-        self.wait_timeout = float(wait_timeout)
-        self.build = build
+        self.wait_timeout = number_arg(wait_timeout, "wait_timeout", positive=True)
+        self.build = _build_handle(build)
         self._growing = getattr(dataset, "complete", True) is False
         if self._growing and self.window is None:
             raise ValueError(
@@ -160,16 +272,16 @@ class DistributedSampler(Sampler[int]):
                 "samples), or wait for the build to finish")
         if self.num_samples == 0 and not self._growing:
             raise ValueError("dataset is empty: DistributedSampler needs len(dataset) >= 1")
-        self.seed = _int_arg(seed, "seed", 0)
-        self.shuffle = bool(shuffle)
+        self.seed = int_arg(seed, "seed", 0)
+        self.shuffle = bool_arg(shuffle, "shuffle")
         default_rank, default_world = _distributed_defaults()
-        self.world_size = _int_arg(default_world if world_size is None else world_size, "world_size", 1)
-        self.rank = _int_arg(default_rank if rank is None else rank, "rank", 0)
+        self.world_size = int_arg(default_world if world_size is None else world_size, "world_size", 1)
+        self.rank = int_arg(default_rank if rank is None else rank, "rank", 0)
         if self.rank >= self.world_size:
             raise ValueError(f"rank must be < world_size, got rank={self.rank}, world_size={self.world_size}")
-        self.infinite = bool(infinite)
-        self.max_epochs = None if max_epochs is None else _int_arg(max_epochs, "max_epochs", 0)
-        self.max_samples = None if max_samples is None else _int_arg(max_samples, "max_samples", 0)
+        self.infinite = bool_arg(infinite, "infinite")
+        self.max_epochs = optional_int_arg(max_epochs, "max_epochs", 0)
+        self.max_samples = optional_int_arg(max_samples, "max_samples", 0)
 
         self.position = 0
         self._fresh = True  # never iterated or positioned: set_epoch may jump
@@ -222,7 +334,7 @@ class DistributedSampler(Sampler[int]):
     def _refresh(self) -> None:
         """Re-read a growing dataset's length; freeze it when its cache is complete."""
         refresh = getattr(self.dataset, "refresh", None)
-        self.num_samples = _int_arg(refresh() if refresh else len(self.dataset), "len(dataset)", 0)
+        self.num_samples = int_arg(refresh() if refresh else len(self.dataset), "len(dataset)", 0)
         if getattr(self.dataset, "complete", True):
             self._growing = False
             self._perms.clear()
@@ -244,7 +356,7 @@ class DistributedSampler(Sampler[int]):
         This is the only place that maps positions to indices, so a subclass can change the
         order (e.g. a quick-start first epoch) by overriding it alone.
         """
-        positions = np.asarray(positions, dtype=np.int64)
+        positions = index_array(positions, "positions")
         if positions.size and positions.min() < 0:
             raise ValueError(f"positions must be >= 0, got {positions.min()}")
         if self.unbounded:
@@ -290,7 +402,7 @@ class DistributedSampler(Sampler[int]):
 
     def iteration_length(self, position: int | None = None) -> int | None:
         """Indices ``iter()`` yields on each rank when started at ``position``; None if unbounded."""
-        start = self.position if position is None else position
+        start = self.position if position is None else position_arg(position, "position")
         W = self.world_size
         count = None
         if not self.infinite and not self._growing:
@@ -342,7 +454,7 @@ class DistributedSampler(Sampler[int]):
 
     def set_position(self, position: int) -> None:
         """Continue from global ``position`` at the next ``iter()`` (a live iterator is unaffected)."""
-        self._move_to(_int_arg(position, "position", 0))
+        self._move_to(position_arg(position, "position"))
         self._moves += 1
 
     def _move_to(self, position: int) -> None:
@@ -359,7 +471,8 @@ class DistributedSampler(Sampler[int]):
         Otherwise it warns and changes nothing, rather than silently skip or replay data; use
         :meth:`set_position` to move explicitly.
         """
-        epoch = _int_arg(epoch, "epoch", 0)
+        epoch = int_arg(epoch, "epoch", 0, None if self._growing
+                        else (POSITION_LIMIT - 1) // self.epoch_size)
         if self._growing:
             if epoch != 0 or not self._fresh:
                 warnings.warn(f"set_epoch({epoch}) ignored while the cache is still being built",
@@ -404,16 +517,19 @@ class DistributedSampler(Sampler[int]):
             **self._identity(),
         }
 
+    def _expected_state(self, state_format: str) -> dict[str, Any]:
+        """The fields a loaded state of ``state_format`` must have as they are here."""
+        return {"format": state_format, "version": SAMPLER_STATE_VERSION, "counts": "dispatched",
+                **self._identity()}
+
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         """Validate a :meth:`state_dict` and continue from its position (any world size)."""
-        _check_state(
-            state,
-            {"format": SAMPLER_STATE_FORMAT, "version": SAMPLER_STATE_VERSION, **self._identity()},
-            "DistributedSampler",
+        checked = _check_state(
+            state, self._expected_state(SAMPLER_STATE_FORMAT), _SAMPLER_FIELDS, "DistributedSampler",
             "Load a state saved by a DistributedSampler over the same dataset with the same seed "
             "and shuffle (or start a new run without loading it).",
         )
-        self.set_position(_int_arg(state.get("position"), "state['position']", 0))
+        self.set_position(checked["position"])
 
 
 # -- torchdata interop: a live iteration that can save and restore itself ---------------------
@@ -463,18 +579,14 @@ class _SamplerIterator(Iterator[int]):
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         """Continue the saved iteration: the same indices (another world size: to its loader-epoch end)."""
         sampler = self._sampler
-        _check_state(
-            state,
-            {"format": SAMPLER_ITERATOR_STATE_FORMAT, "version": SAMPLER_STATE_VERSION, **sampler._identity()},
+        checked = _check_state(
+            state, sampler._expected_state(SAMPLER_ITERATOR_STATE_FORMAT), _ITERATOR_FIELDS,
             "DistributedSampler iterator",
             "Load a state saved by an iterator of a DistributedSampler over the same dataset with "
             "the same seed and shuffle.",
         )
-        position = _int_arg(state.get("position"), "state['position']", 0)
-        remaining = state.get("remaining")
-        if remaining is not None:
-            remaining = _int_arg(remaining, "state['remaining']", 0)
-        if remaining is None or remaining > 0 and state.get("world_size") != sampler.world_size:
+        position, remaining = checked["position"], checked["remaining"]
+        if remaining is None or remaining > 0 and checked["world_size"] != sampler.world_size:
             remaining = sampler.iteration_length(position)
         if sampler._generation == self._generation:  # the live iterator: it drives the position
             sampler.position = position

@@ -12,12 +12,75 @@ import hashlib
 import json
 import os
 import socket
+import stat
+import sys
 import threading
 import time
 import uuid
 from typing import Any, Iterable
 
 TMP_MARK = ".tmp-"
+
+
+class CacheFormatError(ValueError):
+    """A cache file is missing, truncated, corrupted or not in a format this version can read.
+
+    Defined here, the lowest layer, so that opening files safely can raise it; re-exported as
+    ``torchcache.format.CacheFormatError`` and ``torchcache.CacheFormatError``.
+    """
+
+
+def _file_kind(mode: int) -> str:
+    kinds = ((stat.S_ISDIR, "a directory"), (stat.S_ISFIFO, "a FIFO"), (stat.S_ISCHR, "a device"),
+             (stat.S_ISBLK, "a device"), (stat.S_ISSOCK, "a socket"))
+    return next((name for test, name in kinds if test(mode)), "not a regular file")
+
+
+def open_regular(path: str) -> int:
+    """A read-only descriptor of `path`, refusing anything but a regular file.
+
+    O_NONBLOCK makes opening a FIFO return at once instead of waiting for a writer, and the fstat
+    check refuses FIFOs, devices (/dev/zero never ends) and directories, so a planted special file
+    gives an error naming it instead of a hang. O_NONBLOCK has no effect on regular files.
+    """
+    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+    try:
+        mode = os.fstat(fd).st_mode
+        if not stat.S_ISREG(mode):
+            raise CacheFormatError(f"{path}: is {_file_kind(mode)}, not a regular file; a cache holds "
+                                   "only regular files (replace it, or rebuild the cache)")
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
+def read_regular(path: str, limit: int) -> bytes:
+    """The whole of a regular file, refused before reading if it is larger than `limit` bytes."""
+    fd = open_regular(path)
+    with os.fdopen(fd, "rb") as f:
+        size = os.fstat(fd).st_size
+        if size > limit:
+            raise CacheFormatError(f"{path}: {size:,} bytes, more than the {limit:,} allowed for this "
+                                   "file; it is corrupted or not part of a torchcache cache")
+        data = f.read(size + 1)  # one byte more notices a file that grew meanwhile
+    if len(data) > limit:
+        raise CacheFormatError(f"{path}: grew past {limit:,} bytes while read; refusing it")
+    return data
+
+
+def read_capped(storage: "Storage", rel: str, limit: int) -> bytes:
+    """A whole file of a cache, at most `limit` bytes: local files must be regular files, remote
+    ones are fetched with one ranged request that cannot return more than `limit` + 1 bytes."""
+    if isinstance(storage, LocalStorage):
+        return storage.read(rel, limit)
+    if not isinstance(storage, RemoteStorage):
+        return storage.read(rel)
+    data = storage.fs.cat_file(storage._path(rel), start=0, end=limit + 1)
+    if len(data) > limit:
+        raise CacheFormatError(f"{storage.url}/{rel}: more than the {limit:,} bytes allowed for this "
+                               "file; it is corrupted or not part of a torchcache cache")
+    return data
 
 
 def is_remote(url: str | os.PathLike) -> bool:
@@ -84,19 +147,31 @@ class LocalStorage(Storage):
         final = self._path(rel)
         os.makedirs(os.path.dirname(final), exist_ok=True)
         tmp = f"{final}{TMP_MARK}{os.getpid()}"
-        with open(tmp, "wb") as f:
-            for part in parts:
-                f.write(part)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, final)
-        if rel == MANIFEST:
+        try:
+            with open(tmp, "wb") as f:
+                for part in parts:
+                    f.write(part)
+                f.flush()
+                os.fsync(f.fileno())
+            os.replace(tmp, final)
+        except OSError as e:  # a full disk, say: leave no partial file behind, name the file
+            _remove_quietly(tmp)
+            if e.filename is None:
+                raise type(e)(e.errno, e.strerror, final) from e
+            raise
+        except BaseException:
+            _remove_quietly(tmp)
+            raise
+        if rel == MANIFEST:  # the manifest makes blocks visible: their renames must be durable first
+            blocks = self._path(BLOCK_DIR)
+            if os.path.isdir(blocks):
+                _fsync_dir(blocks)
             _fsync_dir(self.root)
         return _digest(parts)
 
-    def read(self, rel: str) -> bytes:
-        with open(self._path(rel), "rb") as f:
-            return f.read()
+    def read(self, rel: str, limit: int | None = None) -> bytes:
+        """A whole regular file (never a FIFO or device), refused if larger than `limit` bytes."""
+        return read_regular(self._path(rel), sys.maxsize if limit is None else limit)
 
     def exists(self, rel: str) -> bool:
         return os.path.exists(self._path(rel))
@@ -184,6 +259,14 @@ class RemoteStorage(Storage):
 
 
 MANIFEST = "manifest.json"
+BLOCK_DIR = "blocks"
+
+
+def _remove_quietly(path: str) -> None:
+    try:
+        os.unlink(path)
+    except FileNotFoundError:
+        pass
 
 
 def _fsync_dir(path: str) -> None:
@@ -199,6 +282,9 @@ class Lock:
 
     def acquire(self) -> None:
         raise NotImplementedError
+
+    def check(self) -> None:
+        """Raise RuntimeError if the lock may no longer be ours (call before every commit)."""
 
     def release(self) -> None:
         raise NotImplementedError
@@ -230,15 +316,22 @@ class _LeaseLock(Lock):
 
     Object stores offer no flock; two builders starting within the same instant could both
     believe they won, so the winner is re-read after writing and the later writer backs off.
+    A renewal that fails is retried; once the last successful renewal is half a TTL old (or
+    another owner holds the lease), `check()` fails, so the builder stops before the lease can
+    expire and a second builder take over.
     """
 
     TTL = 60.0
+    RETRY = 1.0
 
     def __init__(self, storage: RemoteStorage, ttl: float | None = None):
         self.storage, self.ttl = storage, ttl or self.TTL
         self.owner = f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:8]}"
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
+        self._renewed = 0.0  # time.monotonic() of the last successful renewal
+        self._taken_by: str | None = None  # another owner found in the lease object
+        self._error = "none"  # the last renewal failure, for the message
 
     def _current(self) -> dict | None:
         try:
@@ -247,8 +340,10 @@ class _LeaseLock(Lock):
             return None
 
     def _write(self) -> None:
+        started = time.monotonic()
         self.storage.write(".lock", [json.dumps({"owner": self.owner,
                                                  "expires": time.time() + self.ttl}).encode()])
+        self._renewed = started
 
     def acquire(self) -> None:
         held = self._current()
@@ -263,8 +358,30 @@ class _LeaseLock(Lock):
         self._thread.start()
 
     def _heartbeat(self) -> None:
-        while not self._stop.wait(self.ttl / 3):
-            self._write()
+        wait = self.ttl / 3
+        while not self._stop.wait(wait):
+            try:
+                held = self._current()
+                if held is not None and held.get("owner") != self.owner:
+                    self._taken_by = str(held.get("owner"))
+                    return
+                self._write()
+                wait = self.ttl / 3
+            except Exception as e:  # noqa: BLE001 - reported by check(), which stops the build
+                self._error = f"{type(e).__name__}: {e}"
+                wait = self.RETRY
+
+    def check(self) -> None:
+        if self._thread is None:
+            return
+        stop = "stopping before writing more; committed blocks are kept and a re-run resumes"
+        if self._taken_by is not None:
+            raise RuntimeError(f"{self.storage.url}: another builder ({self._taken_by}) took this "
+                               f"builder's lease; {stop}")
+        age = time.monotonic() - self._renewed
+        if age >= self.ttl / 2:
+            raise RuntimeError(f"{self.storage.url}: this builder could not renew its lease for "
+                               f"{age:.0f} s (last error: {self._error}); {stop}")
 
     def release(self) -> None:
         self._stop.set()

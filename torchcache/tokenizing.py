@@ -70,6 +70,9 @@ def special_token_id(tok: Tokenizer, token: int | str | None, role: str) -> int 
         if found is None:
             raise ValueError(f"{role}={token!r} is not a token of this tokenizer")
         return found
+    if not isinstance(token, (int, np.integer)):
+        raise TypeError(f"{role} must be a token id (int), a token string, None or 'auto', "
+                        f"not {token!r}")
     vocab = tok.get_vocab_size(with_added_tokens=True)
     if not 0 <= int(token) < vocab:
         raise ValueError(f"{role}={token} is outside the vocabulary (size {vocab})")
