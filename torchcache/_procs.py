@@ -62,13 +62,14 @@ def start_child(target: str, *args: Any, die_with_parent: bool = True) -> Child:
     killed coordinator leaves no orphan writing into a cache.
     """
     mine, theirs = socket.socketpair()
-    env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (_PACKAGE_PARENT, env.get("PYTHONPATH")) if p)
-    command = [sys.executable, "-c", "import torchcache._procs as p; p._child_entry()",
-               str(theirs.fileno()), str(os.getpid()) if die_with_parent else "0"]
+    # the child finds this package as the parent does; the parent folder is only a fallback
+    # (appended, so it never shadows the standard library)
+    bootstrap = ("import sys; sys.path.append(sys.argv[1]); import torchcache._procs as p; "
+                 "p._child_entry()")
+    command = [sys.executable, "-c", bootstrap, _PACKAGE_PARENT, str(theirs.fileno()),
+               str(os.getpid()) if die_with_parent else "0"]
     try:
-        process = subprocess.Popen(command, pass_fds=(theirs.fileno(),), env=env,
-                                   stdin=subprocess.DEVNULL)
+        process = subprocess.Popen(command, pass_fds=(theirs.fileno(),), stdin=subprocess.DEVNULL)
     except BaseException:
         mine.close()
         raise
@@ -86,7 +87,7 @@ def start_child(target: str, *args: Any, die_with_parent: bool = True) -> Child:
 
 
 def _child_entry() -> None:
-    fd, parent = int(sys.argv[1]), int(sys.argv[2])
+    fd, parent = int(sys.argv[2]), int(sys.argv[3])
     if parent:
         _die_with_parent(parent)
     conn = Connection(fd)

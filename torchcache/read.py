@@ -194,7 +194,8 @@ def _check_size(fd: int, path: str, max_size: int | None) -> None:
     size = os.fstat(fd).st_size
     if max_size is not None and size > max_size:
         raise fmt.CacheFormatError(f"{path}: {size:,} bytes, more than the {max_size:,} its manifest "
-                                   "entry allows: the file is corrupted or replaced; rebuild the cache")
+                                   "entry allows: the file is corrupted or replaced; repair it "
+                                   "with `torchcache verify --repair`")
 
 
 def _max_sizes(entry: dict[str, Any]) -> tuple[int, int, int]:
@@ -205,7 +206,8 @@ def _max_sizes(entry: dict[str, Any]) -> tuple[int, int, int]:
 
 def _check_checksum(fd: int, path: str, checksum: str) -> None:
     if fmt.fd_checksum(fd) != checksum:
-        raise fmt.CacheFormatError(f"{path}: checksum mismatch (the file is corrupted); rebuild the cache")
+        raise fmt.CacheFormatError(f"{path}: checksum mismatch (the file is corrupted); repair it "
+                                   "with `torchcache verify --repair`")
 
 
 def _locate(url: str, storage_options: dict[str, Any] | None, local_dir: str | None,
@@ -230,7 +232,7 @@ def _check_block_file(fd: int, path: str, dtype: np.dtype, num_tokens: int, size
     if file_size != size:
         raise fmt.CacheFormatError(
             f"{path}: file is {file_size} bytes, the manifest says {size}: the block is truncated "
-            "or replaced; run `torchcache verify`, then rebuild the cache")
+            "or replaced; run `torchcache verify`, which can repair it")
     header = fmt.read_tensor_header(fd, path, "tokens", file_size)
     if header.length != num_tokens or header.dtype != dtype:
         raise fmt.CacheFormatError(
