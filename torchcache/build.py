@@ -392,7 +392,7 @@ def _nothing_committed(manifest: dict[str, Any]) -> bool:
     return not manifest["blocks"] and not manifest.get("pending")
 
 
-def _start_over(storage: Storage, manifest: dict[str, Any]) -> None:
+def _start_over(storage: Storage) -> None:
     """Remove a cache that committed nothing (a first build that failed), manifest last."""
     _clean(storage, None)
     storage.delete(fmt.TOKENIZER_NAME)
@@ -523,7 +523,7 @@ def _build(inputs: Any, output: str | os.PathLike, tokenizer: TokenizerLike, *, 
         if storage.exists(fmt.MANIFEST_NAME):
             existing = fmt.read_manifest(storage)
             if existing["spec"] != spec and _nothing_committed(existing):
-                _start_over(storage, existing)  # a failed first build: start again, new settings
+                _start_over(storage)  # a failed first build: start again, new settings
                 existing = None
             elif existing["spec"] != spec:
                 raise BuildError(
@@ -673,7 +673,7 @@ def _run_pool(job, sources, todo, state, workers, bar, report, should_stop) -> i
         while remaining:
             ready = wait_for_connections(list(by_conn), timeout=0.5)
             check_cancelled(should_stop)
-            events, finished = [], []
+            events, finished, died = [], [], None
             for conn in ready:
                 child = by_conn[conn]
                 try:
@@ -684,11 +684,12 @@ def _run_pool(job, sources, todo, state, workers, bar, report, should_stop) -> i
                 except EOFError:
                     del by_conn[conn]
                     if child not in stopped and not any(e[0] == "error" for e in events):
-                        code = child.join(5)
-                        raise BuildError(f"a build worker died (exit code {code}) while building "
-                                         f"inputs {sorted(remaining)}; committed blocks are kept "
-                                         "and a re-run resumes") from None
-            built += _commit(events, state, bar, report)
+                        died = child
+            built += _commit(events, state, bar, report)  # what arrived before a death is kept
+            if died is not None:
+                raise BuildError(f"a build worker died (exit code {died.join(5)}) while building "
+                                 f"inputs {sorted(remaining)}; committed blocks are kept and a "
+                                 "re-run resumes")
             remaining.difference_update(e[1] for e in events if e[0] == "done")
             for child in finished:
                 hand_out(child)
