@@ -447,13 +447,20 @@ def test_block_names_must_follow_from_input_and_index(root):
 
 
 def builder_stream(counts: list[int], done: list[bool]) -> tuple[list[tuple[int, int]], bool]:
-    """The order the builder commits in (torchcache.build._Manifest.stream), for comparison."""
-    from torchcache.build import _Manifest
-    state = _Manifest.__new__(_Manifest)
-    state.finished = [[{"input": i, "index": j} for j in range(n)] for i, n in enumerate(counts)]
-    state.progress = [{"done": d} for d in done]
-    visible, _, complete = state.stream()
-    return [(e["input"], e["index"]) for e in visible], complete
+    """The round robin as the builder committed it before format.stream_order existed: an
+    independent reference for the rule (the builder now calls stream_order itself)."""
+    visible, r = [], 0
+    while True:
+        advanced = False
+        for i, n in enumerate(counts):
+            if r < n:
+                visible.append((i, r))
+                advanced = True
+            elif not done[i]:
+                return visible, False
+        if not advanced:
+            return visible, True
+        r += 1
 
 
 @settings(derandomize=True, database=None, max_examples=150, deadline=None)

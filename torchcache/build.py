@@ -292,20 +292,12 @@ class _Manifest:
 
     def stream(self) -> tuple[list[dict], list[dict], bool]:
         """The committed stream (round-robin prefix), the pending rest, and completeness."""
-        visible, r, n = [], 0, len(self.finished)
-        while True:
-            advanced = False
-            for i in range(n):
-                if r < len(self.finished[i]):
-                    visible.append(self.finished[i][r])
-                    advanced = True
-                elif not self.progress[i]["done"]:
-                    taken = {id(e) for e in visible}
-                    pending = [e for blocks in self.finished for e in blocks if id(e) not in taken]
-                    return visible, pending, False
-            if not advanced:
-                return visible, [], True
-            r += 1
+        order, complete = fmt.stream_order([len(blocks) for blocks in self.finished],
+                                           [p["done"] for p in self.progress])
+        visible = [self.finished[i][r] for i, r in order]
+        taken = {id(e) for e in visible}
+        pending = [e for blocks in self.finished for e in blocks if id(e) not in taken]
+        return visible, pending, complete
 
     def document(self) -> dict[str, Any]:
         visible, pending, complete = self.stream()

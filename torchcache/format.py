@@ -25,14 +25,13 @@ import numpy as np
 
 # CacheFormatError is defined in storage.py (the lowest layer, which opens files safely) and
 # re-exported here, as torchcache.format.CacheFormatError, and as torchcache.CacheFormatError.
+from .storage import BLOCK_DIR, MANIFEST as MANIFEST_NAME
 from .storage import (CacheFormatError, LocalStorage, Storage, open_regular, open_storage,
                       read_capped, read_regular)
 
 FORMAT_NAME = "torchcache"
 FORMAT_VERSION = 1
-MANIFEST_NAME = "manifest.json"
 TOKENIZER_NAME = "tokenizer.json"
-BLOCK_DIR = "blocks"
 
 _DTYPES = {"U16": np.dtype("<u2"), "U32": np.dtype("<u4"), "I64": np.dtype("<i8")}
 _DTYPE_NAMES = {v: k for k, v in _DTYPES.items()}
