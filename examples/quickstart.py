@@ -19,6 +19,8 @@ import sys
 import time
 from pathlib import Path
 
+import torch
+
 import torchcache as tc
 
 HERE = Path(__file__).resolve().parent
@@ -82,8 +84,7 @@ def main() -> None:
     train(out / "uninterrupted", cache_dir)
     print("[3] training again, stopping after 15 steps (checkpoint at 12), then resuming to 24")
     train(out / "interrupted", cache_dir, "--stop-after", "15")
-    state = json.loads(__import__("torch").load(out / "interrupted" / "checkpoint.pt",
-                                                weights_only=False)["loader"])
+    state = json.loads(torch.load(out / "interrupted" / "checkpoint.pt", weights_only=False)["loader"])
     print(f"    saved loader state: {state['consumed']} samples consumed, fingerprint "
           f"{state['fingerprint'][:16]}...")
     train(out / "interrupted", cache_dir, "--resume")

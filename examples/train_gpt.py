@@ -117,7 +117,8 @@ def main() -> None:
         dist.barrier()  # the other ranks wait for rank 0's build
 
     dataset = tc.TokenDataset(out / "cache", args.seq_len)
-    sampler = tc.DistributedSampler(dataset, seed=args.seed)  # rank and world from torch.distributed
+    # rank and world size from torch.distributed
+    sampler = tc.DistributedSampler(dataset, shuffle=True, seed=args.seed)
     loader = tc.DataLoader(dataset, batch_size=args.batch_size // world, sampler=sampler,
                            num_workers=args.num_workers)
     torch.manual_seed(args.seed)  # the model's initialisation is the only randomness (no dropout)

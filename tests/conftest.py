@@ -5,6 +5,8 @@ from __future__ import annotations
 import gzip
 import json
 import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -63,3 +65,17 @@ def tree_bytes(root: str) -> dict[str, bytes]:
             full = os.path.join(dirpath, name)
             out[os.path.relpath(full, root)] = Path(full).read_bytes()
     return out
+
+
+def build_killed_at_commit(inputs: list[str], out, tokenizer: str, commits: int, *,
+                           workers: int = 1, block_tokens: int = 2_000) -> int:
+    """Run `build_cache` in a child process that SIGKILLs itself right after its `commits`-th
+    manifest write (the builder's TORCHCACHE_TEST_KILL_AFTER_COMMITS hook): an interruption at a
+    known commit instead of a race with a timer. Returns the exit code: -9 when it was killed,
+    0 when the build finished before its `commits`-th manifest write."""
+    script = ("import sys, json, torchcache as tc\n"
+              "tc.build_cache(json.loads(sys.argv[1]), sys.argv[2], sys.argv[3], "
+              f"block_tokens={block_tokens}, num_workers={workers}, progress=False)\n")
+    env = dict(os.environ, TORCHCACHE_TEST_KILL_AFTER_COMMITS=str(commits))
+    return subprocess.run([sys.executable, "-c", script, json.dumps(inputs), str(out), tokenizer],
+                          env=env, timeout=300).returncode

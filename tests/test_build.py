@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import threading
+import time
 
 import numpy as np
 import pytest
@@ -92,7 +93,7 @@ def test_second_builder_on_same_output_is_refused(tmp_path, gpt2_tokenizer_path)
     try:
         while not (tmp_path / "c" / "manifest.json").exists():
             assert not handle.done, handle.error
-            handle._thread.join(0.05)
+            time.sleep(0.01)
         with pytest.raises(tc.BuildError, match="another builder"):
             tc.build_cache(iter(["x"]), tmp_path / "c", gpt2_tokenizer_path, progress=False)
     finally:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
 import textwrap
@@ -13,11 +14,11 @@ import time
 import psutil
 import pytest
 from tokenizers import Tokenizer
-from conftest import paragraphs, tree_bytes, write_jsonl
+from conftest import build_killed_at_commit, paragraphs, tree_bytes, write_jsonl
 
 import torchcache as tc
 from torchcache.format import MANIFEST_NAME
-from torchcache.storage import RemoteStorage, _LeaseLock
+from torchcache.storage import RemoteStorage
 
 BLOCK = 2_000
 CLI = [sys.executable, "-m", "torchcache"]
@@ -31,13 +32,8 @@ def _build(shards, out, tokenizer, **kw):
 
 def _killed_build(shards, out, tokenizer, commits: int, workers: int = 1) -> None:
     """A build killed with SIGKILL right after its `commits`-th manifest write."""
-    script = ("import sys, json, torchcache as tc\n"
-              "tc.build_cache(json.loads(sys.argv[1]), sys.argv[2], sys.argv[3], "
-              f"block_tokens={BLOCK}, num_workers={workers}, progress=False)\n")
-    env = dict(os.environ, TORCHCACHE_TEST_KILL_AFTER_COMMITS=str(commits))
-    proc = subprocess.run([sys.executable, "-c", script, json.dumps(shards), str(out), tokenizer],
-                          env=env, timeout=300)
-    assert proc.returncode == -9, "the build was meant to be killed at a commit"
+    code = build_killed_at_commit(shards, out, tokenizer, commits, workers=workers, block_tokens=BLOCK)
+    assert code == -signal.SIGKILL, "the build was meant to be killed at a commit"
 
 
 def _manifest(out) -> dict:
@@ -138,48 +134,85 @@ def test_an_unchanged_input_resumes_after_kill_to_the_same_bytes(tmp_path, shard
 
 # ---------------------------------------------------------------- 11. the S3 lease
 
+def _lease(monkeypatch, url: str, ttl: float):
+    """The lock a builder takes on an object store (a lease object), with a short TTL."""
+    storage = RemoteStorage(url, {})
+    lease_class = type(storage.lock())
+    monkeypatch.setattr(lease_class, "TTL", ttl)
+    monkeypatch.setattr(lease_class, "RETRY", 0.05)
+    return storage, storage.lock()
+
+
+def _lease_owner(storage) -> str | None:
+    try:
+        return json.loads(storage.read(".lock"))["owner"]
+    except FileNotFoundError:
+        return None
+
+
+def _until(condition, what: str, seconds: float = 30):
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        value = condition()
+        if value:
+            return value
+        time.sleep(0.05)
+    raise AssertionError(f"{what} did not happen within {seconds} s")
+
+
 def test_a_builder_that_cannot_renew_its_lease_stops_before_writing_more(monkeypatch):
-    storage = RemoteStorage("memory://lease-test/cache", {})
-    lock = _LeaseLock(storage, ttl=1.0)
-    monkeypatch.setattr(_LeaseLock, "RETRY", 0.05)
+    storage, lock = _lease(monkeypatch, "memory://lease-test/cache", ttl=1.0)
     lock.acquire()
     try:
         lock.check()  # freshly renewed
-        real_write = storage.write
+        owner = _lease_owner(storage)
+        real_write, broken = storage.write, [True]
 
         def failing_write(rel, parts):
-            if rel == ".lock":
+            if rel == ".lock" and broken[0]:
                 raise ConnectionResetError("connection reset by peer")
             return real_write(rel, parts)
 
         monkeypatch.setattr(storage, "write", failing_write)
-        deadline, message = time.monotonic() + 30, ""
-        while time.monotonic() < deadline and "ConnectionResetError" not in message:
+
+        def check_error() -> str:
             try:
                 lock.check()
             except RuntimeError as e:
-                message = str(e)
-                assert "could not renew its lease" in message and "stopping" in message
-            time.sleep(0.05)
-        assert "ConnectionResetError" in message, "check() kept passing without a renewal"
-        assert lock._thread.is_alive(), "the heartbeat must keep retrying after one failure"
+                assert "could not renew its lease" in str(e) and "stopping" in str(e), str(e)
+                return str(e)
+            return ""
+
+        # check() fails once the last renewal is half a TTL old, naming the renewal's error
+        _until(lambda: "ConnectionResetError" in check_error(), "check() failing, naming the error")
+        # the heartbeat keeps retrying: once the store answers again, the lease is renewed
+        broken[0] = False
+        _until(lambda: check_error() == "", "a renewal after the store recovered")
+        assert _lease_owner(storage) == owner
     finally:
         lock.release()
+    assert _lease_owner(storage) is None, "release() deletes its own lease"
 
 
-def test_a_lease_taken_by_another_builder_is_noticed():
-    storage = RemoteStorage("memory://lease-test/taken", {})
-    lock = _LeaseLock(storage, ttl=0.6)
+def test_a_lease_taken_by_another_builder_is_noticed(monkeypatch):
+    storage, lock = _lease(monkeypatch, "memory://lease-test/taken", ttl=0.6)
     lock.acquire()
     try:
         storage.write(".lock", [json.dumps({"owner": "other:1", "expires": time.time() + 60}).encode()])
-        deadline = time.monotonic() + 30
-        while lock._thread.is_alive() and time.monotonic() < deadline:
-            time.sleep(0.05)
-        with pytest.raises(RuntimeError, match="another builder"):
-            lock.check()
+
+        def taken() -> bool:
+            try:
+                lock.check()
+            except RuntimeError as e:  # (or "could not renew", until the heartbeat reads the lease)
+                return "another builder (other:1) took this builder's lease" in str(e)
+            return False
+
+        _until(taken, "noticing the other owner")
+        time.sleep(0.5)  # (more than a heartbeat period)
+        assert _lease_owner(storage) == "other:1", "a builder that lost its lease never renews it"
     finally:
         lock.release()
+    assert _lease_owner(storage) == "other:1", "release() leaves another owner's lease alone"
 
 
 # ---------------------------------------------------------------- 14. CLI: one line, no traceback
@@ -291,6 +324,7 @@ def test_a_failed_background_build_leaves_no_zombie(tmp_path, books, gpt2_tokeni
 
 # ---------------------------------------------------------------- 17. a failed first build
 
+@pytest.mark.slow
 def test_a_failed_first_build_can_be_rerun_with_corrected_settings(tmp_path, shards,
                                                                    gpt2_tokenizer_path):
     out = tmp_path / "cache"

@@ -37,7 +37,7 @@ import torchcache as tc
 from torchcache import cli
 from torchcache import format as fmt
 from torchcache import read as read_module
-from torchcache.read import Problem, check_cache
+from torchcache.verify import Problem, check_cache
 from torchcache.storage import LocalStorage
 
 TESTS = Path(__file__).parent
@@ -669,37 +669,48 @@ def test_the_pool_is_safe_across_threads(many_blocks, monkeypatch):
     assert not any(b.owner() in caches for b in read_module._POOL.blocks)
 
 
-def test_after_fork_the_child_reopens_its_own_files(many_blocks):
-    cache = tc.TokenCache(many_blocks)
+def _open_files(root: Path) -> set[int]:
+    """This process's descriptors open on files inside the cache directory ``root``."""
+    inside = os.path.join(os.path.realpath(root), "")
+    found = set()
+    for name in os.listdir("/proc/self/fd"):
+        with contextlib.suppress(OSError):  # the listing's own descriptor is gone by now
+            if os.readlink(f"/proc/self/fd/{name}").startswith(inside):
+                found.add(int(name))
+    return found
+
+
+def test_after_fork_the_child_reopens_its_own_files(many_blocks, tmp_path):
+    root = Path(shutil.copytree(many_blocks, tmp_path / "cache"))  # no other reader holds its files
+    cache = tc.TokenCache(root)
     reference = cache.read(0, cache.num_tokens)  # the parent holds open blocks
-    held = {b.fd for b in cache._open.values()}
+    held = _open_files(root)
     assert held
     pid = os.fork()
-    if pid == 0:  # child: a fresh pool; every read re-opens
-        ok = (not cache._open and not read_module._POOL.blocks
-              and np.array_equal(cache.read(0, cache.num_tokens), reference))
+    if pid == 0:  # child: the inherited descriptors are closed; every read re-opens
+        ok = not _open_files(root) and np.array_equal(cache.read(0, cache.num_tokens), reference)
         os._exit(0 if ok else 1)
     _, status = os.waitpid(pid, 0)
     assert os.waitstatus_to_exitcode(status) == 0
-    assert {b.fd for b in cache._open.values()} == held  # the child's closes did not touch ours
+    assert _open_files(root) == held  # the child's closes did not touch ours
     assert np.array_equal(cache.read(0, cache.num_tokens), reference)
 
 
-def test_closing_a_cache_closes_its_files_and_pickles_stay_small(many_blocks):
-    cache = tc.TokenCache(many_blocks)
+def test_closing_a_cache_closes_its_files_and_pickles_stay_small(many_blocks, tmp_path):
+    root = Path(shutil.copytree(many_blocks, tmp_path / "cache"))
+    cache = tc.TokenCache(root)
     cache.read(0, cache.num_tokens)
-    assert 0 < len(cache._open) <= read_module._MAX_OPEN_BLOCKS
+    held = _open_files(root)
+    assert 0 < len(held) <= 128  # the process-wide pool's bound
     clone = pickle.loads(pickle.dumps(cache))
     assert len(pickle.dumps(cache)) < 64_000
-    assert not clone._open and np.array_equal(clone.read(5, 500), cache.read(5, 500))
-    blocks = list(cache._open.values())
-    fds = [b.fd for b in blocks]
+    assert _open_files(root) == held  # no descriptor travels, none is opened on unpickling
     cache.close()
-    assert not cache._open and all(b.fd == -1 for b in blocks)
-    for fd in fds:  # nothing opened since: the numbers are free
+    assert not _open_files(root)
+    for fd in held:  # nothing opened since: the numbers are free
         with pytest.raises(OSError):
             os.fstat(fd)
-    assert np.array_equal(cache.read(0, 100), clone.read(0, 100))  # reopens lazily
+    assert np.array_equal(clone.read(5, 500), cache.read(5, 500))  # both open their own again
 
 
 # ---------------------------------------------------------------- fuzz: random damage, any file

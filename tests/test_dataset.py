@@ -144,9 +144,21 @@ def test_compact_transfer_from_workers_gives_identical_batches(cache_path, optio
 
     plain, _ = batches(False)
     compact, loader = batches(True)
-    assert loader.dataset is not ds and loader.dataset._compact_in_workers
-    assert not ds._compact_in_workers and set(ds[0]) >= {"input_ids", "labels"}
+    assert loader.dataset is ds and set(ds[0]) >= {"input_ids", "labels"}
     for a, b in zip(plain, compact):
         assert a.keys() == b.keys()
         for key in a:
             assert a[key].dtype == b[key].dtype and torch.equal(a[key], b[key]), key
+
+
+def _describe_items(items):
+    """collate_fn: what torch's fetcher handed over, as plain data."""
+    return [type(items).__name__, len(items), [sorted(item) for item in items]]
+
+
+def test_getitems_returns_a_list_of_samples_in_workers_too(cache_path):
+    ds = tc.TokenDataset(cache_path, 32)
+    next(iter(tc.DataLoader(ds, batch_size=4, num_workers=2)))  # compact transfer on this dataset
+    plain = torch.utils.data.DataLoader(ds, batch_size=4, num_workers=2, collate_fn=_describe_items)
+    kind, count, keys = next(iter(plain))
+    assert (kind, count, keys) == ("list", 4, [["input_ids", "labels"]] * 4)

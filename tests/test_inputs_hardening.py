@@ -25,7 +25,8 @@ from fsspec.utils import stringify_path
 import torchcache as tc
 import torchcache.inputs as inputs_module
 from torchcache.format import MANIFEST_NAME
-from torchcache.inputs import InputChangedError, InputError, iter_records, iter_strings, resolve_inputs
+from torchcache.errors import InputChangedError, InputError
+from torchcache.inputs import iter_records, iter_strings, resolve_inputs
 
 BLOCK = 2_000
 
@@ -353,6 +354,7 @@ def _tar_cuts(data: bytes) -> dict[str, int]:
             "data": middle.offset_data + middle.size // 2, "end": end}
 
 
+@pytest.mark.slow
 def test_a_tar_cut_anywhere_is_truncated(tmp_path, texts, gpt2_tokenizer_path):
     samples = [{"__key__": f"k{i:03d}", "txt": t.encode(), "json": json.dumps({"i": i}).encode()}
                for i, t in enumerate(texts[:40])]
@@ -431,6 +433,7 @@ def test_lone_surrogates_and_deep_nesting_in_jsonl_name_file_and_line(tmp_path, 
     assert "\U0001f600" in _docs(cache)[7]
 
 
+@pytest.mark.slow
 def test_bad_text_in_tars_parquet_and_iterables_is_named_and_skippable(tmp_path, texts,
                                                                         gpt2_tokenizer_path):
     pa = pytest.importorskip("pyarrow")

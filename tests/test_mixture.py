@@ -344,7 +344,7 @@ def test_a_short_source_is_repermuted_every_pass():
                          block_size=10)
     src, local = mix.locate(np.arange(70))
     assert np.bincount(local[src == 0], minlength=7).tolist() == [3] * 7
-    src, pos = mix._positions(np.arange(140, dtype=np.int64))  # local stream positions
+    src, pos = mix.schedule.positions(np.arange(140))  # local stream positions
     small_pos = np.sort(pos[src == 0])
     assert small_pos.tolist() == list(range(42))
     s2, loc2 = mix.locate(np.arange(140))
@@ -493,3 +493,42 @@ def test_loader_refuses_a_state_from_other_weights():
     fresh = tc.DataLoader(other, batch_size=4, sampler=tc.DistributedSampler(other))
     with pytest.raises(ValueError, match="fingerprint"):
         fresh.load_state_dict(state)
+
+
+def test_the_schedule_alone_maps_indices_as_the_mixture_does():
+    srcs = {"a": Src(7), "b": Src(BIG), "c": Src(30)}
+    stages = [(0, {"a": 1, "b": 2, "c": 1}), (40, {"a": 0, "b": 1, "c": 3})]
+    mix = MixtureDataset(srcs, schedule=stages, seed=5, block_size=8)
+    schedule = tc.MixtureSchedule({n: len(d) for n, d in srcs.items()}, schedule=stages, seed=5,
+                                  block_size=8)
+    idx = np.arange(300)
+    for got, want in zip(schedule.locate(idx), mix.locate(idx)):
+        assert np.array_equal(got, want)
+    assert schedule.stages == mix.stages and schedule.names == mix.names
+    assert schedule.source_counts(3, 250) == mix.source_counts(3, 250)
+    assert [schedule.locate_one(i) for i in range(20)] == [
+        (int(k), int(i)) for k, i in zip(*mix.locate(np.arange(20)))]
+    assert [mix[i] for i in range(20)] == [
+        srcs[schedule.names[k]][i] for k, i in (schedule.locate_one(j) for j in range(20))]
+    # positions: each source's own stream, consumed in order over whole blocks
+    source, pos = schedule.positions(np.arange(320).reshape(10, 32))
+    assert source.shape == pos.shape == (10, 32)
+    counts = schedule.source_counts(0, 320)
+    for k, name in enumerate(schedule.names):
+        assert sorted(pos[source == k].tolist()) == list(range(counts[name]))
+    clone = pickle.loads(pickle.dumps(schedule))
+    assert np.array_equal(clone.locate(idx)[1], schedule.locate(idx)[1])
+    assert "MixtureSchedule(a=0.25, b=0.5, c=0.25, 2 stages" in repr(schedule)
+
+
+def test_schedule_argument_errors():
+    for kwargs, error, match in [
+        (dict(lengths=[3]), TypeError, "lengths must be a dict"),
+        (dict(lengths={}), ValueError, "lengths is empty"),
+        (dict(lengths={1: 3}), TypeError, "source names"),
+        (dict(lengths={"a": -1}), ValueError, r"lengths\['a'\]"),
+        (dict(lengths={"a": 3}, weights={"b": 1}), ValueError, "unknown source"),
+        (dict(lengths={"a": 3}, seed=-1), ValueError, "seed"),
+    ]:
+        with pytest.raises(error, match=match):
+            tc.MixtureSchedule(**kwargs)

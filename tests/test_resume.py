@@ -3,15 +3,15 @@
 from __future__ import annotations
 
 import gzip
+import hashlib
 import json
 import os
 import signal
-import subprocess
-import sys
 import time
 
+import numpy as np
 import pytest
-from conftest import paragraphs, tree_bytes, write_jsonl
+from conftest import build_killed_at_commit, paragraphs, tree_bytes, write_jsonl
 
 import torchcache as tc
 from torchcache.format import MANIFEST_NAME, file_checksum
@@ -46,59 +46,65 @@ def _stamps(root: str, entries: list[dict]) -> dict[str, tuple[int, int]]:
     return out
 
 
+@pytest.mark.slow
 def test_kill_9_at_several_points_then_resume_gives_the_same_cache(tmp_path, big_shards,
                                                                      gpt2_tokenizer_path):
     reference = tc.build_cache(big_shards, tmp_path / "ref", gpt2_tokenizer_path, block_tokens=BLOCK,
                                num_workers=1, progress=False)
     assert reference.num_blocks > 60
     out = str(tmp_path / "killed")
-    script = ("import sys, json, torchcache as tc; "
-              "tc.build_cache(json.loads(sys.argv[1]), sys.argv[2], sys.argv[3], "
-              f"block_tokens={BLOCK}, num_workers=2, progress=False)")
-    kills, previous = 0, {}
-    for target in (1, 15, 40):
-        proc = subprocess.Popen([sys.executable, "-c", script, json.dumps(big_shards), out,
-                                 gpt2_tokenizer_path])
-        while proc.poll() is None and len(_committed(out)) < target:
-            time.sleep(0.005)
-        if proc.poll() is None:
-            os.kill(proc.pid, signal.SIGKILL)
-            kills += 1
-        proc.wait()
-        stamps = _stamps(out, _committed(out))
+    previous: dict = {}
+    count = 0
+    # killed after the 2nd manifest write of a fresh build, then after the 9th and the 6th of two
+    # resumed ones (one inline, one with a pool of 2 workers)
+    for commits, workers in ((2, 2), (9, 1), (6, 2)):
+        code = build_killed_at_commit(big_shards, out, gpt2_tokenizer_path, commits, workers=workers)
+        assert code == -signal.SIGKILL, f"the build ended with {code} before its kill point"
+        committed = _committed(out)
+        assert len(committed) > count, "each run commits new blocks"
+        count = len(committed)
+        assert not tc.TokenCache(out).complete
+        stamps = _stamps(out, committed)
         # work committed by an earlier run is never redone (same inode and mtime) nor lost
         assert {k: stamps.get(k) for k in previous} == previous
         previous = stamps
     result = tc.build_cache(big_shards, out, gpt2_tokenizer_path, block_tokens=BLOCK,
                             num_workers=2, progress=False)
-    assert kills >= 2, "the build finished before it could be killed; make the input larger"
     assert {k: v for k, v in _stamps(out, _committed(out)).items() if k in previous} == previous
-    assert result.tokens_built < reference.num_tokens
+    assert 0 < result.tokens_built < reference.num_tokens
     assert tree_bytes(out) == tree_bytes(reference.path)
     assert not [n for n in os.listdir(out) if ".tmp-" in n]
+    assert not [n for n in os.listdir(os.path.join(out, "blocks")) if ".tmp-" in n]
 
 
+def _stream_hash(cache: tc.TokenCache, num_tokens: int) -> str:
+    return hashlib.sha256(cache.read(0, num_tokens).tobytes()).hexdigest()
+
+
+@pytest.mark.slow
 def test_reader_during_background_build_sees_only_complete_blocks(tmp_path, big_shards,
                                                                     gpt2_tokenizer_path):
+    """A reader polling a cache while a 2-worker background build grows it: whatever it observes
+    (however the timing falls) is complete, checksummed, and a prefix of the final cache."""
     out = tmp_path / "growing"
     handle = tc.build_cache(big_shards, out, gpt2_tokenizer_path, block_tokens=BLOCK,
                             num_workers=2, background=True)
     while not (out / MANIFEST_NAME).exists():
-        assert handle.error is None
+        assert not handle.done, handle.error
         time.sleep(0.01)
     cache = tc.TokenCache(out)
-    checked, looks = 0, 0
+    seen = []  # (num_blocks, num_tokens, complete, hash of the tokens read) per observation
+    manifests = []  # the manifests the reader found on disk
     while True:
         finished = handle.done
         cache.refresh()
-        looks += 1
+        seen.append((cache.num_blocks, cache.num_tokens, cache.complete,
+                     _stream_hash(cache, cache.num_tokens)))
         manifest = json.loads((out / MANIFEST_NAME).read_text())
-        for entry in manifest["blocks"][checked:cache.num_blocks]:
+        for entry in manifest["blocks"] + manifest["pending"]:  # every listed file is complete
             assert file_checksum(str(out / entry["path"])) == entry["checksum"]
             assert file_checksum(str(out / entry["offsets"])) == entry["offsets_checksum"]
-        if cache.num_tokens:
-            assert len(cache.read(0, cache.num_tokens)) == cache.num_tokens
-        checked = cache.num_blocks
+        manifests.append(manifest)
         if finished:
             break
         time.sleep(0.01)
@@ -109,7 +115,56 @@ def test_reader_during_background_build_sees_only_complete_blocks(tmp_path, big_
                          num_workers=1, progress=False)
     assert tree_bytes(str(out)) == tree_bytes(ref.path)
 
+    final = tc.TokenCache(ref.path)
+    final_blocks = json.loads((out / MANIFEST_NAME).read_text())["blocks"]
+    assert seen[-1] == (final.num_blocks, final.num_tokens, True,
+                        _stream_hash(final, final.num_tokens))
+    for (blocks, tokens, complete, digest), earlier in zip(seen, [(0, 0)] + seen):
+        assert (blocks, tokens) >= earlier[:2], "the committed stream never shrinks"
+        assert blocks == final.num_blocks or not complete
+        assert digest == _stream_hash(final, tokens), "a reader saw tokens the final cache lacks"
+    for manifest in manifests:
+        # the stream is always a prefix of the final one, and a pending block is already final
+        assert manifest["blocks"] == final_blocks[:len(manifest["blocks"])]
+        assert all(entry in final_blocks for entry in manifest["pending"])
 
+
+def test_a_reader_follows_a_build_that_grows_in_steps(tmp_path, big_shards, gpt2_tokenizer_path):
+    """The build is killed at a commit, resumed, killed again...: between steps the reader's view
+    must have grown, hold exactly the final cache's first blocks, and never be complete early."""
+    source = big_shards[:1]  # one input: each committed block joins the stream at once
+    reference = tc.build_cache(source, tmp_path / "ref", gpt2_tokenizer_path, block_tokens=BLOCK,
+                               num_workers=1, progress=False)
+    final = tc.TokenCache(reference.path)
+    assert final.num_blocks > 20
+    out = str(tmp_path / "steps")
+    cache, views = None, []  # (blocks, tokens, complete) seen after each step
+    while cache is None or not cache.complete:
+        code = build_killed_at_commit(source, out, gpt2_tokenizer_path, 8)
+        assert code in (0, -signal.SIGKILL), code
+        if cache is None:
+            cache = tc.TokenCache(out)
+        else:
+            blocks, tokens, _ = views[-1]
+            # until refreshed, the reader keeps its view, still readable (blocks are immutable)
+            assert (cache.num_blocks, cache.num_tokens) == (blocks, tokens)
+            assert _stream_hash(cache, tokens) == _stream_hash(final, tokens)
+            assert cache.refresh() is True
+        view = (cache.num_blocks, cache.num_tokens, cache.complete)
+        assert not views or view > views[-1], "each step commits something new"
+        assert code == -signal.SIGKILL or cache.complete, "a build that ended is complete"
+        views.append(view)
+        # exactly the final cache's first blocks, documents and tokens
+        assert cache.num_tokens == int(final.block_token_starts()[cache.num_blocks])
+        assert _stream_hash(cache, cache.num_tokens) == _stream_hash(final, cache.num_tokens)
+        last = cache.num_documents - 1
+        assert np.array_equal(cache.document(last), final.document(last))
+    assert len(views) >= 3 and 0 < views[0][0] < views[1][0] < final.num_blocks, views
+    assert views[-1] == (final.num_blocks, final.num_tokens, True)
+    assert tree_bytes(out) == tree_bytes(reference.path)
+
+
+@pytest.mark.slow
 def test_cancel_keeps_committed_blocks_and_resumes(tmp_path, big_shards, gpt2_tokenizer_path):
     out = tmp_path / "c"
     handle = tc.build_cache(big_shards, out, gpt2_tokenizer_path, block_tokens=BLOCK,

@@ -22,6 +22,8 @@ import torchcache as tc
 
 SCRIPT = Path(__file__).resolve().parent.parent / "examples" / "train_gpt.py"
 SEQ, BATCH, STEPS, SAVE = 32, 4, 12, 4
+pytestmark = pytest.mark.slow  # each test trains (and resumes) a model in subprocesses
+
 COMMON = ["--seq-len", str(SEQ), "--batch-size", str(BATCH), "--save-every", str(SAVE), "--seed", "3"]
 
 

@@ -5,12 +5,13 @@ from __future__ import annotations
 import importlib
 from typing import Any
 
-from .build import BuildError, BuildResult, build_cache
+from .build import build_cache
+from .engine import BuildResult
 from .convert import convert_webdataset
-from .format import CacheFormatError
+from .errors import BuildError, CacheFormatError, InputChangedError, InputError
 from .handle import BuildHandle
-from .inputs import InputChangedError, InputError
-from .read import Problem, TokenCache, check_cache, verify_cache
+from .read import TokenCache
+from .verify import Problem, check_cache, verify_cache
 from .repair import RepairResult, repair_cache
 
 __version__ = "0.1.0"
@@ -21,14 +22,18 @@ _LAZY = {
     "DistributedSampler": ".sample",
     "DocumentDataset": ".dataset",
     "MixtureDataset": ".mix",
+    "MixtureSchedule": ".schedule",
     "TokenDataset": ".dataset",
+    "packed_collate": ".collate",
+    "pad_collate": ".collate",
 }
 
 __all__ = [
     "BuildError", "BuildHandle", "BuildResult", "CacheFormatError", "DataLoader",
     "DistributedSampler", "DocumentDataset", "InputChangedError", "InputError", "MixtureDataset",
-    "Problem", "RepairResult", "TokenCache", "TokenDataset", "build_cache", "check_cache",
-    "convert_webdataset", "repair_cache", "verify_cache",
+    "MixtureSchedule", "Problem", "RepairResult", "TokenCache", "TokenDataset", "build_cache",
+    "check_cache", "convert_webdataset", "packed_collate", "pad_collate", "repair_cache",
+    "verify_cache",
 ]
 
 

@@ -12,22 +12,24 @@ import numpy as np
 from . import __version__
 from .build import build_cache
 from .convert import convert_webdataset
-from .read import TokenCache, verify_cache
+from .read import TokenCache
 from .repair import repair_cache
+from .storage import open_storage
+from .verify import verify_cache
 
 
 def _build(args: argparse.Namespace) -> int:
     result = build_cache(args.inputs, args.output, args.tokenizer, text_key=args.text_key,
                          block_tokens=args.block_tokens, num_workers=args.workers,
                          on_error=args.on_error, eos=_token_arg(args.eos), bos=_token_arg(args.bos),
-                         special_tokens_as_text=not args.keep_special_tokens, progress=True,
+                         special_tokens_as_text=not args.keep_special_tokens, progress=None,
                          allow_empty=args.allow_empty)
     return _summary(result)
 
 
 def _convert(args: argparse.Namespace) -> int:
     options = dict(block_tokens=args.block_tokens, num_workers=args.workers, on_error=args.on_error,
-                   progress=True, allow_empty=args.allow_empty)
+                   progress=None, allow_empty=args.allow_empty)
     if args.tokenizer is None and (args.eos or args.bos) and not all(
             x is None or x.isdigit() for x in (args.eos, args.bos)):
         raise ValueError("without a tokenizer, --eos and --bos must be token ids")
@@ -55,11 +57,18 @@ def _token_arg(value: str | None):
     return int(value) if value.isdigit() else value
 
 
+def _build_state(cache: TokenCache) -> str:
+    """complete, building (a builder holds the cache's lock now) or interrupted."""
+    if cache.complete:
+        return "complete"
+    return "building" if open_storage(cache.url).lock().is_held() else "interrupted"
+
+
 def _info(args: argparse.Namespace) -> int:
     cache = TokenCache(args.cache)
     lengths = cache.document_lengths()
     info = {
-        "path": cache.root, "complete": cache.complete, "fingerprint": cache.fingerprint,
+        "path": cache.root, "state": _build_state(cache), "complete": cache.complete, "fingerprint": cache.fingerprint,
         "tokens": cache.num_tokens, "documents": cache.num_documents, "blocks": cache.num_blocks,
         "document_tokens": ({f"p{q}": int(np.percentile(lengths, q)) for q in (0, 10, 50, 90, 99, 100)}
                             | {"mean": round(float(lengths.mean()), 1)}) if len(lengths) else {},
@@ -70,7 +79,9 @@ def _info(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps(info, indent=1))
         return 0
-    print(f"{info['path']}  ({'complete' if cache.complete else 'still building'})")
+    state = {"complete": "complete", "building": "still building",
+             "interrupted": "interrupted: rerun the same build to resume it"}[info["state"]]
+    print(f"{info['path']}  ({state})")
     print(f"  tokens     {cache.num_tokens:,}")
     print(f"  documents  {cache.num_documents:,}")
     print(f"  blocks     {cache.num_blocks}")
@@ -120,14 +131,13 @@ def _repair(args: argparse.Namespace) -> int:
 
 
 def _token_range(text: str) -> tuple[int, int]:
+    """`START:STOP`, or `N` for the first N tokens."""
     start, colon, stop = text.partition(":")
     try:
-        if not colon:
-            raise ValueError
-        return int(start), int(stop)
+        return (int(start), int(stop)) if colon else (0, int(start))
     except ValueError:
-        raise ValueError(f"--tokens {text!r}: give a range START:STOP of token positions, "
-                         "e.g. --tokens 0:100") from None
+        raise ValueError(f"--tokens {text!r}: give a range START:STOP of token positions, or a "
+                         "count N for the first N, e.g. --tokens 0:100 or --tokens 100") from None
 
 
 def _show(args: argparse.Namespace) -> int:
@@ -223,7 +233,7 @@ def make_parser() -> argparse.ArgumentParser:
     s.add_argument("cache")
     what = s.add_mutually_exclusive_group(required=True)
     what.add_argument("-d", "--document", type=int, help="document index")
-    what.add_argument("--tokens", help="global token range START:STOP")
+    what.add_argument("--tokens", help="global token range START:STOP, or N for the first N tokens")
     s.add_argument("--ids", action="store_true", help="print token ids instead of text")
     s.set_defaults(func=_show)
     return parser

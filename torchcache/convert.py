@@ -16,7 +16,8 @@ from .build import build_cache
 
 
 def expand_urls(urls: Any) -> list[str]:
-    """Brace-expand webdataset URL patterns (`shard-{000000..000099}.tar`), in order."""
+    """Brace-expand webdataset URL patterns (`shard-{000000..000099}.tar`), in order; `::`
+    separates several patterns, as in webdataset."""
     if isinstance(urls, (str, os.PathLike)):
         urls = [urls]
     out: list[str] = []
@@ -42,6 +43,12 @@ def convert_webdataset(urls: Any, output: str | os.PathLike, *, tokenizer: Any =
     dtype (uint16 when it fits, else uint32) and ids outside it are an error. Every document's
     sample key (`__key__`) is kept: `TokenCache.document_key(i)`. Other options go to
     `build_cache` (num_workers, on_error, block_tokens, background, progress...).
+
+    Example:
+        >>> tc.convert_webdataset("shards/train-{000000..000099}.tar", "caches/wds",
+        ...                       tokenizer="tokenizer.json", text_key="json:text")
+        >>> tc.convert_webdataset("pipe:curl -s https://host/tok-{000..009}.tar", "caches/ids",
+        ...                       vocab_size=50257, eos_id=50256)   # token ids in .npy members
     """
     sources = expand_urls(urls)
     if tokenizer is not None:

@@ -1,4 +1,8 @@
-"""Map-style datasets over a cache: fixed-length token windows, and whole documents."""
+"""Map-style datasets over a cache: fixed-length token windows, and whole documents.
+
+To batch documents (different lengths) use :func:`torchcache.pad_collate` or
+:func:`torchcache.packed_collate` as the DataLoader's ``collate_fn``.
+"""
 
 from __future__ import annotations
 
@@ -13,6 +17,8 @@ from ._args import (INT64_MAX, POSITION_LIMIT, bool_arg, choice_arg, index_array
                     optional_int_arg)
 from .read import TokenCache
 
+__all__ = ["DocumentDataset", "TokenDataset"]
+
 
 def _open(cache: TokenCache | str | os.PathLike) -> TokenCache:
     """``cache`` itself, or the cache at that path or URL; TypeError for anything else."""
@@ -24,12 +30,7 @@ def _open(cache: TokenCache | str | os.PathLike) -> TokenCache:
                     f"got {type(cache).__name__}")
 
 
-_WINDOWS = "__torchcache_windows__"
-
-
-def is_compact_batch(batch: object) -> bool:
-    """True for a batch made by :meth:`TokenDataset.compact_batch`."""
-    return isinstance(batch, dict) and _WINDOWS in batch
+_WINDOWS = "__torchcache_windows__"  # the key of the token windows in a compact batch
 
 
 class _GrowingDataset(Dataset):
@@ -39,11 +40,19 @@ class _GrowingDataset(Dataset):
 
     @property
     def complete(self) -> bool:
-        """True once the cache's build has finished (the length will not change any more)."""
+        """True once the cache's build has finished (the length will not change any more).
+
+        >>> ds.complete  # doctest: +SKIP
+        True
+        """
         return self.cache.complete
 
     def refresh(self) -> int:
-        """Pick up newly committed blocks; return the new length."""
+        """Pick up newly committed blocks; return the new length.
+
+        >>> while not ds.complete:  # doctest: +SKIP
+        ...     print(ds.refresh(), "samples so far")
+        """
         self.cache.refresh()
         return len(self)
 
@@ -51,7 +60,11 @@ class _GrowingDataset(Dataset):
     def tokenizer_identity(self) -> str:
         """What the token ids mean: the tokenizer's fingerprint, or for pre-tokenized data (no
         tokenizer) the vocabulary size and dtype. :class:`torchcache.MixtureDataset` refuses
-        sources that differ, since one id would stand for different text in each."""
+        sources that differ, since one id would stand for different text in each.
+
+        >>> ds.tokenizer_identity  # doctest: +SKIP
+        'tokenizer fingerprint 5b3c...'
+        """
         tokenizer = self.cache.spec.get("tokenizer")
         if tokenizer is not None:
             return f"tokenizer fingerprint {tokenizer['fingerprint']}"
@@ -99,6 +112,11 @@ class TokenDataset(_GrowingDataset):
     attention. `len()` follows the committed cache; call `refresh()` to pick up new blocks.
     A finished cache too short for one sample (fewer than seq_len + 1 tokens) is a ValueError
     here; a cache still being built may be that short at first.
+
+    >>> ds = tc.TokenDataset("runs/quickstart/cache", seq_len=2048)  # doctest: +SKIP
+    >>> ds[0]["input_ids"].shape, ds[0]["labels"][:3]  # doctest: +SKIP
+    (torch.Size([2048]), tensor([4935, 20336, 46566]))
+    >>> loader = tc.DataLoader(ds, batch_size=8, shuffle=True, num_workers=2)  # doctest: +SKIP
     """
 
     def __init__(self, cache: TokenCache | str | os.PathLike, seq_len: int, *,
@@ -126,13 +144,21 @@ class TokenDataset(_GrowingDataset):
 
     @property
     def fingerprint(self) -> str:
-        """Identity of the sample stream: the cache's fingerprint and the window length."""
+        """Identity of the sample stream: the cache's fingerprint and the window length.
+
+        >>> ds.fingerprint  # saved in loader states; a state of another stream is refused  # doctest: +SKIP
+        '9c1f.../seq2048'
+        """
         return f"{self.cache.fingerprint}/seq{self.seq_len}"
 
     @property
     def item_signature(self) -> str:
         """The keys and shapes of an item; :class:`torchcache.MixtureDataset` refuses sources
-        that differ, since torch's default collate cannot batch them together."""
+        that differ, since torch's default collate cannot batch them together.
+
+        >>> ds.item_signature  # doctest: +SKIP
+        'token windows of seq_len=2048 (input_ids, labels)'
+        """
         keys = "input_ids, labels"
         if self.document_boundaries:
             keys += f", position_ids, cu_seqlens[{self.max_segments + 1}], num_segments"
@@ -145,7 +171,11 @@ class TokenDataset(_GrowingDataset):
         return f"TokenDataset({self.cache!r}, seq_len={self.seq_len}, {len(self):,} samples)"
 
     def read_windows(self, indices: Sequence[int]) -> np.ndarray:
-        """Token windows (len(indices), seq_len + 1) in the cache's dtype, read in one call."""
+        """Token windows (len(indices), seq_len + 1) in the cache's dtype, read in one call.
+
+        >>> ds.read_windows([0, 1]).shape  # doctest: +SKIP
+        (2, 2049)
+        """
         return self._read(self._check(indices))
 
     def _read(self, idx: np.ndarray) -> np.ndarray:
@@ -158,16 +188,13 @@ class TokenDataset(_GrowingDataset):
     def __getitems__(self, indices: Sequence[int]) -> list[dict[str, torch.Tensor]]:
         """Samples ``indices`` as a list of dicts (what torch's fetcher passes to ``collate_fn``).
 
-        Their tensors are rows of :meth:`get_batch`'s, so a batch is read in one call. Inside a
-        worker of a :class:`torchcache.DataLoader` that asked for compact transfer, it returns
-        the batch's raw token windows instead (see :meth:`compact_batch`).
+        Their tensors are rows of :meth:`get_batch`'s, so a batch is read in one call.
+
+        >>> [item["input_ids"].shape for item in ds.__getitems__([0, 5])]  # doctest: +SKIP
+        [torch.Size([2048]), torch.Size([2048])]
         """
-        if self._compact_in_workers and torch.utils.data.get_worker_info() is not None:
-            return self.compact_batch(indices)
         batch = self.get_batch(indices)
         return [dict(zip(batch, row)) for row in zip(*batch.values())]
-
-    _compact_in_workers = False
 
     def get_batch(self, indices: Sequence[int]) -> dict[str, torch.Tensor]:
         """Samples ``indices`` already batched: equal to ``default_collate(ds.__getitems__(indices))``.
@@ -176,6 +203,10 @@ class TokenDataset(_GrowingDataset):
         per-sample Python work (unless ``document_boundaries``). :class:`torchcache.DataLoader`
         uses it with ``prefetch_batches`` when no ``collate_fn`` is given (and ``__getitems__``
         is not overridden).
+
+        >>> batch = ds.get_batch([0, 1, 2, 3])  # doctest: +SKIP
+        >>> batch["input_ids"].shape, batch["labels"].dtype  # doctest: +SKIP
+        (torch.Size([4, 2048]), torch.int64)
         """
         return self.expand_batch(self.compact_batch(indices))
 
@@ -184,6 +215,9 @@ class TokenDataset(_GrowingDataset):
 
         A DataLoader worker sends this across the process boundary (4-8x less data than two
         int64 tensors) and the main process widens it with :meth:`expand_batch`.
+
+        >>> compact = ds.compact_batch([0, 1])  # in a worker  # doctest: +SKIP
+        >>> batch = ds.expand_batch(compact)  # in the training process  # doctest: +SKIP
         """
         idx = self._check(indices)
         windows = self._read(idx)
@@ -201,8 +235,12 @@ class TokenDataset(_GrowingDataset):
         return batch
 
     def expand_batch(self, compact: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        """A :meth:`compact_batch` as the training batch: int64 ``input_ids`` and ``labels``."""
-        if not is_compact_batch(compact):
+        """A :meth:`compact_batch` as the training batch: int64 ``input_ids`` and ``labels``.
+
+        >>> ds.expand_batch(ds.compact_batch([7]))["input_ids"].dtype  # doctest: +SKIP
+        torch.int64
+        """
+        if not isinstance(compact, dict) or _WINDOWS not in compact:
             raise TypeError(f"compact must be a batch made by compact_batch(), got "
                             f"{type(compact).__name__}")
         compact = dict(compact)
@@ -231,13 +269,24 @@ class TokenDataset(_GrowingDataset):
 
 
 class DocumentDataset(_GrowingDataset):
-    """One document per item, as stored (with its BOS/EOS), as a LongTensor."""
+    """One document per item, as stored (with its BOS/EOS), as a LongTensor.
+
+    Documents differ in length, so batch them with :func:`torchcache.pad_collate` (a padded
+    matrix and an attention mask) or :func:`torchcache.packed_collate` (one flat sequence with
+    ``cu_seqlens``, for variable-length attention).
+
+    >>> docs = tc.DocumentDataset("runs/quickstart/cache")  # doctest: +SKIP
+    >>> cache.decode(docs[0][:8])  # doctest: +SKIP
+    'The Project Gutenberg eBook of Pride and'
+    >>> loader = tc.DataLoader(docs, batch_size=4, collate_fn=tc.pad_collate)  # doctest: +SKIP
+    """
 
     def __init__(self, cache: TokenCache | str | os.PathLike):
         self.cache = _open(cache)
 
     @property
     def fingerprint(self) -> str:
+        """Identity of the item stream: the cache's fingerprint (saved in loader states)."""
         return f"{self.cache.fingerprint}/documents"
 
     @property

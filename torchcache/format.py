@@ -23,20 +23,19 @@ from typing import Any, Sequence
 
 import numpy as np
 
-# CacheFormatError is defined in storage.py (the lowest layer, which opens files safely) and
-# re-exported here, as torchcache.format.CacheFormatError, and as torchcache.CacheFormatError.
+from .errors import CacheFormatError
 from .storage import BLOCK_DIR, MANIFEST as MANIFEST_NAME
-from .storage import (CacheFormatError, LocalStorage, Storage, open_regular, open_storage,
-                      read_capped, read_regular)
+from .storage import LocalStorage, Storage, open_regular, open_storage, read_capped, read_regular
 
 FORMAT_NAME = "torchcache"
 FORMAT_VERSION = 1
 TOKENIZER_NAME = "tokenizer.json"
 
-_DTYPES = {"U16": np.dtype("<u2"), "U32": np.dtype("<u4"), "I64": np.dtype("<i8")}
-_DTYPE_NAMES = {v: k for k, v in _DTYPES.items()}
+# safetensors dtype names of the arrays a cache holds: tokens (U16, U32), offsets (I64)
+DTYPES = {"U16": np.dtype("<u2"), "U32": np.dtype("<u4"), "I64": np.dtype("<i8")}
+_DTYPE_NAMES = {v: k for k, v in DTYPES.items()}
 TOKEN_DTYPES = ("U16", "U32")
-_MAX_HEADER = 1 << 20
+MAX_HEADER_BYTES = 1 << 20  # a larger safetensors header is refused as corrupted
 
 # Size caps, checked before anything is read, so a corrupted file cannot make a reader allocate
 # gigabytes. A v1 manifest takes about 450 bytes per block (128 MiB: ~300k blocks);
@@ -55,7 +54,7 @@ _short.maxstring = _short.maxother = 60
 
 def token_dtype(vocab_size: int) -> np.dtype:
     """uint16 when every id fits, else uint32."""
-    return _DTYPES["U16"] if vocab_size <= 1 << 16 else _DTYPES["U32"]
+    return DTYPES["U16"] if vocab_size <= 1 << 16 else DTYPES["U32"]
 
 
 def dtype_name(dtype: np.dtype) -> str:
@@ -142,7 +141,6 @@ class TensorHeader:
     dtype: np.dtype
     length: int
     data_start: int
-    metadata: dict[str, str]
 
 
 def read_exact(fd: int, offset: int, size: int, path: str) -> bytes:
@@ -167,7 +165,7 @@ def read_tensor_header(fd: int, path: str, name: str, file_size: int) -> TensorH
     if len(prefix) < 8:
         raise CacheFormatError(f"{path}: truncated safetensors file (no header); run `torchcache verify`")
     (header_len,) = struct.unpack("<Q", prefix)
-    if header_len > _MAX_HEADER or 8 + header_len > file_size:
+    if header_len > MAX_HEADER_BYTES or 8 + header_len > file_size:
         raise CacheFormatError(f"{path}: corrupted safetensors header length {header_len}; "
                                "run `torchcache verify`")
     try:
@@ -175,17 +173,18 @@ def read_tensor_header(fd: int, path: str, name: str, file_size: int) -> TensorH
     except (ValueError, RecursionError) as e:
         raise CacheFormatError(f"{path}: corrupted safetensors header ({e}); "
                                "run `torchcache verify`") from None
-    dtype, length, end, metadata = _tensor_entry(header, name, path)
+    dtype, length, end = _tensor_entry(header, name, path)
     expected = 8 + header_len + end
     if file_size != expected:
         raise CacheFormatError(
             f"{path}: file is {file_size} bytes, its header says {expected}: the file is "
             "truncated or corrupted; rebuild it (delete the cache and build again)")
-    return TensorHeader(dtype, length, 8 + header_len, metadata)
+    return TensorHeader(dtype, length, 8 + header_len)
 
 
-def _tensor_entry(header: Any, name: str, path: str) -> tuple[np.dtype, int, int, dict[str, str]]:
-    """(dtype, length, data size, metadata) of the one tensor `name` of a safetensors header."""
+def _tensor_entry(header: Any, name: str, path: str) -> tuple[np.dtype, int, int]:
+    """(dtype, length, data size) of the one tensor `name` of a safetensors header (whose
+    metadata must be a map of strings, as safetensors requires)."""
     def bad(what: str) -> CacheFormatError:
         return CacheFormatError(f"{path}: corrupted safetensors header ({what}); run `torchcache verify`")
 
@@ -198,16 +197,16 @@ def _tensor_entry(header: Any, name: str, path: str) -> tuple[np.dtype, int, int
         raise bad("metadata is not a map of strings")
     entry = header[name]
     dtype_field, shape, offsets = entry.get("dtype"), entry.get("shape"), entry.get("data_offsets")
-    if not isinstance(dtype_field, str) or dtype_field not in _DTYPES:
+    if not isinstance(dtype_field, str) or dtype_field not in DTYPES:
         raise bad(f"dtype {_short.repr(dtype_field)}")
     if not (isinstance(shape, list) and len(shape) == 1 and type(shape[0]) is int and shape[0] >= 0):
         raise bad(f"shape {_short.repr(shape)} is not one length")
     if not (isinstance(offsets, list) and len(offsets) == 2 and all(type(x) is int for x in offsets)):
         raise bad(f"data_offsets {_short.repr(offsets)}")
-    dtype, length = _DTYPES[dtype_field], shape[0]
+    dtype, length = DTYPES[dtype_field], shape[0]
     if offsets != [0, length * dtype.itemsize]:
         raise bad("tensor offsets disagree with its shape")
-    return dtype, length, offsets[1], metadata
+    return dtype, length, offsets[1]
 
 
 def read_tensor_data(fd: int, path: str, header: TensorHeader) -> np.ndarray:
@@ -429,7 +428,7 @@ def _check_spec(f: _Fields, spec: Any) -> dict[str, Any]:
         raise f.fail("spec.dtype", f"must be one of {TOKEN_DTYPES}, not {_short.repr(dtype)}")
     expected = "U32" if vocab_size is None else dtype_name(token_dtype(vocab_size))
     f.equal(dtype, expected, f"spec.dtype (for vocab_size {vocab_size})")
-    top = (vocab_size or (1 << (8 * _DTYPES[dtype].itemsize))) - 1
+    top = (vocab_size or (1 << (8 * DTYPES[dtype].itemsize))) - 1
     for key in ("bos_id", "eos_id"):
         f.optional_int(f.get(spec, key, "spec"), f"spec.{key}", 0, top)
     for k, item in enumerate(f.list(f.get(spec, "inputs", "spec"), "spec.inputs")):

@@ -9,6 +9,8 @@ from multiprocessing.connection import Connection
 from typing import Any
 
 from ._procs import Child, start_child
+from .engine import BuildResult, run_build
+from .errors import BuildError
 from .inputs import resolve_inputs
 
 
@@ -17,6 +19,12 @@ class BuildHandle:
 
     File inputs are built in a separate process (killing it never harms committed data); an
     iterable of strings cannot be sent to another process, so it is built in a thread.
+
+    Example:
+        >>> handle = tc.build_cache("data/*.jsonl", "caches/web", "tokenizer.json", background=True)
+        >>> ds = tc.TokenDataset("caches/web", seq_len=2048)  # reads the committed prefix, grows
+        >>> handle.progress["committed_tokens"], handle.done
+        >>> result = handle.wait()   # the BuildResult; re-raises the build's error
     """
 
     def __init__(self) -> None:
@@ -51,9 +59,8 @@ class BuildHandle:
 
     # -- thread mode
     def _thread_main(self, inputs, output, tokenizer, kwargs) -> None:
-        from .build import _build
         try:
-            self._result = _build(inputs, output, tokenizer, report=self._set_progress,
+            self._result = run_build(inputs, output, tokenizer, report=self._set_progress,
                                   should_stop=self._cancelled.is_set, **kwargs)
         except BaseException as e:  # kept for .error / wait()
             self._error = e
@@ -89,7 +96,6 @@ class BuildHandle:
             return
         atexit.unregister(self._finish_at_exit)
         if self._result is None and self._error is None:
-            from .build import BuildError
             reason = "it was cancelled" if self._cancelled.is_set() else \
                 f"the build process died (exit code {child.exitcode})"
             self._error = BuildError(f"background build stopped: {reason}; committed blocks are "
@@ -119,7 +125,7 @@ class BuildHandle:
         self._poll()
         return self._error
 
-    def wait(self, timeout: float | None = None):
+    def wait(self, timeout: float | None = None) -> BuildResult:
         """Block until the build ends and return its BuildResult; re-raise its error.
 
         Raises TimeoutError if it is still running after `timeout` seconds.
@@ -150,13 +156,11 @@ class BuildHandle:
 
 def _child_main(conn: Connection, inputs, output, tokenizer, kwargs) -> None:
     """The background build process (see _procs): runs the build, reports progress and outcome."""
-    from .build import _build
-
     def report(progress: dict) -> None:
         conn.send(("progress", progress))
 
     try:
-        result = _build(inputs, output, tokenizer, report=report, **kwargs)
+        result = run_build(inputs, output, tokenizer, report=report, **kwargs)
         conn.send(("result", result))
     except BaseException as e:
         try:

@@ -1,9 +1,7 @@
-"""Build inputs: resolving paths and globs through fsspec, and reading documents from them.
+"""Build inputs: resolving paths and globs through fsspec, and reading records from them.
 
-Each input yields records in a fixed order, numbered from 1 (the line number for JSON lines), so
-a build can resume after record N of an input and a bad record can be named by file and line.
-Every record carries a digest of the raw content of the input up to it, so a resumed build can
-tell that the records it skips are the ones the interrupted build consumed.
+Each kind of file (JSON lines, text, Parquet, webdataset tar) has a reader yielding the records
+of `records`, numbered and hashed in order, so a build can resume after record N of an input.
 
 Errors are of three kinds. A bad record (malformed JSON, invalid UTF-8, ...) or a damaged file
 (truncated or corrupted) is an InputError, which on_error="skip" skips and counts. An input that
@@ -15,69 +13,34 @@ times, and then the OSError is raised (never skipped: the rest of the input was 
 from __future__ import annotations
 
 import gzip
-import hashlib
 import io
-import json
+import contextlib
 import os
+import shlex
+import subprocess
 import tarfile
 import time
 import zlib
-from dataclasses import dataclass
-from typing import Any, Callable, Iterable, Iterator
+from typing import IO, Any, Callable, Iterable, Iterator
 
 import fsspec
 
+from .errors import InputError
+from .records import (ITERABLE_PATH, SINCE_BUILD, SINCE_READ, BadRecord, CountingReader, InputSource,
+                      Record, RecordNumbering, decode_utf8, json_text, skipped_record,
+                      unreadable_record)
 from .wds import Sample, decode_tokens, iter_samples, parse_member_spec
 
-ITERABLE_PATH = "<iterable>"
 _JSONL = (".jsonl", ".ndjson")
 _TEXT = (".txt",)
 _TAR = (".tar", ".tar.gz", ".tgz")
+PIPE = "pipe:"  # webdataset's URL scheme for the output of a shell command
 _COMPRESSIONS = {".gz": "gzip", ".zst": "zstd", ".zstd": "zstd"}
+_MAGIC = {"gzip": b"\x1f\x8b", "zstd": b"\x28\xb5\x2f\xfd"}
+AUTO = "auto"  # compression told from the first bytes
 SUPPORTED = "jsonl, jsonl.gz, jsonl.zst, ndjson, txt, txt.gz, txt.zst, parquet, tar, tar.gz, tgz"
-SKIP_REASONS = ("malformed_json", "missing_text", "invalid_utf8", "unreadable", "bad_tokens")
 _ATTEMPTS = 3         # reads of an input in a row that fail with an I/O error before giving up
 _RETRY_DELAY = 0.5    # seconds before the first re-read; doubles before each next one
-_SINCE_BUILD = "since the interrupted build"
-_SINCE_READ = "while it was being read"
-
-
-class InputError(ValueError):
-    """A malformed input record: the message names the file and line and what to do."""
-
-
-class InputChangedError(InputError):
-    """An input differs from the one an interrupted build read: resuming would mix two versions
-    of it in one cache. Never skipped, whatever on_error says."""
-
-
-@dataclass(frozen=True)
-class InputSource:
-    """One input shard: a file (by URL) of a known kind, or the caller's iterable of strings."""
-
-    path: str
-    kind: str  # "jsonl", "txt", "parquet" or "wds" (webdataset tar)
-    compression: str | None
-    size: int | None
-
-    @property
-    def process_local(self) -> bool:
-        """True for memory:// inputs, which exist only in this process (no workers can read them)."""
-        return self.path.startswith("memory://")
-
-    def spec(self) -> dict[str, Any]:
-        return {"path": self.path, "size": self.size}
-
-
-@dataclass(frozen=True)
-class Record:
-    number: int             # 1-based record number within the input (line number for JSON lines)
-    text: str | None        # None when the record was skipped (or holds tokens instead)
-    problem: str | None     # one of SKIP_REASONS when skipped
-    position: int           # raw bytes of the input consumed so far (for progress)
-    tokens: Any = None      # already-tokenized document (np.ndarray), for pre-tokenized inputs
-    key: str | None = None  # the source sample's key (webdataset __key__), kept in a sidecar
-    digest: str | None = None  # sha256 (hex) of the raw content of records 1..number, in order
 
 
 def _kind_of(path: str) -> tuple[str, str | None]:
@@ -127,6 +90,8 @@ def resolve_inputs(inputs: Any, storage_options: dict[str, Any] | None = None) -
 
 
 def _expand(url: str, storage_options: dict[str, Any]) -> list[InputSource]:
+    if url.startswith(PIPE):
+        return [_pipe_source(url)]
     fs, path = fsspec.core.url_to_fs(url, **storage_options)
     protocol = fs.protocol if isinstance(fs.protocol, str) else fs.protocol[0]
     if any(c in path for c in "*?["):
@@ -150,6 +115,67 @@ def _expand(url: str, storage_options: dict[str, Any]) -> list[InputSource]:
     return sources
 
 
+def _pipe_source(url: str) -> InputSource:
+    """A webdataset-style `pipe:COMMAND` input: the bytes the shell command writes to stdout.
+
+    Its kind is that of the last argument that names a supported file (`pipe:curl -s URL.tar`);
+    whether its output is gzip or zstd compressed is told from its first bytes.
+    """
+    try:
+        words = shlex.split(url[len(PIPE):])
+    except ValueError as e:
+        raise ValueError(f"input {url!r}: cannot parse the pipe command ({e})") from None
+    for word in reversed(words):
+        if _is_supported(word):
+            kind, _ = _kind_of(word)
+            break
+    else:
+        raise ValueError(f"input {url!r}: cannot tell the file type of the command's output; "
+                         f"name a file of a supported type ({SUPPORTED}) in the command")
+    if kind == "parquet":
+        raise ValueError(f"input {url!r}: Parquet needs random access and cannot be read from a "
+                         "pipe; copy the file, or give its URL")
+    return InputSource(url, kind, None if kind == "wds" else AUTO, None)
+
+
+@contextlib.contextmanager
+def _open_input(source: InputSource, options: dict[str, Any]) -> Iterator[IO[bytes]]:
+    """The raw bytes of an input: an fsspec file, or the stdout of a `pipe:` command."""
+    if not source.path.startswith(PIPE):
+        with fsspec.open(source.path, "rb", **options) as raw:
+            yield raw
+        return
+    process = subprocess.Popen(source.path[len(PIPE):], shell=True, stdout=subprocess.PIPE,
+                               stdin=subprocess.DEVNULL)
+    try:
+        yield _PipeReader(source.path, process)
+    finally:
+        process.stdout.close()
+        if process.poll() is None:
+            process.kill()  # the reader stopped early (a bad record, or the build was stopped)
+        process.wait()
+
+
+class _PipeReader(io.RawIOBase):
+    """A command's stdout; at its end, a command that failed is an OSError (so it is retried
+    like any I/O error, never taken for a truncated file)."""
+
+    def __init__(self, url: str, process: subprocess.Popen):
+        self.url, self.process = url, process
+
+    def readable(self) -> bool:
+        return True
+
+    def readinto(self, buffer) -> int:
+        n = self.process.stdout.readinto(buffer)
+        if not n and len(buffer):
+            status = self.process.wait()
+            if status != 0:
+                raise OSError(f"input {self.url!r}: the command exited with status {status} "
+                              "(its messages, if any, are on stderr above)")
+        return n
+
+
 def _is_supported(path: str) -> bool:
     try:
         _kind_of(path)
@@ -158,58 +184,30 @@ def _is_supported(path: str) -> bool:
         return False
 
 
-class _Counting(io.RawIOBase):
-    """An input's raw bytes as read: counts them (progress, for compressed inputs too) and keeps
-    the I/O error of a failed read, so that the decoder above never has it taken for damage."""
-
-    def __init__(self, f):
-        self.f, self.count = f, 0
-        self.failure: OSError | None = None
-
-    def readable(self) -> bool:
-        return True
-
-    def seekable(self) -> bool:
-        return self.f.seekable()
-
-    def seek(self, offset: int, whence: int = io.SEEK_SET) -> int:
-        try:
-            return self.f.seek(offset, whence)
-        except OSError as e:
-            self.failure = e
-            raise
-
-    def tell(self) -> int:
-        return self.f.tell()
-
-    def read(self, size: int = -1) -> bytes:
-        try:
-            data = self.f.read(size)
-        except OSError as e:
-            self.failure = e
-            raise
-        self.count += len(data)
-        return data
-
-    def readinto(self, buffer) -> int:
-        data = self.read(len(buffer))
-        buffer[: len(data)] = data
-        return len(data)
+def _unreadable(source: InputSource, numbering: RecordNumbering, what: str, error: BaseException,
+                counted: CountingReader, on_error: str) -> Record:
+    return unreadable_record(source.path, "shard" if source.kind == "wds" else "file", numbering,
+                             what, error, counted, on_error)
 
 
-def _open_text_stream(source: InputSource, raw) -> tuple[io.BufferedReader, _Counting]:
-    counted = _Counting(raw)
-    if source.compression == "gzip":
-        stream = gzip.GzipFile(fileobj=io.BufferedReader(counted, 1 << 20), mode="rb")
-    elif source.compression == "zstd":
+def _open_text_stream(source: InputSource, raw) -> tuple[io.BufferedReader, CountingReader]:
+    counted = CountingReader(raw)
+    stream: io.RawIOBase | io.BufferedIOBase = counted
+    compression = source.compression
+    if compression == AUTO:  # a pipe's output: compressed or not, whatever the command names
+        stream = io.BufferedReader(counted, 1 << 20)
+        head = stream.peek(4)[:4]
+        compression = next((name for name, magic in _MAGIC.items() if head.startswith(magic)), None)
+    if compression == "gzip":
+        buffered = stream if stream is not counted else io.BufferedReader(counted, 1 << 20)
+        stream = gzip.GzipFile(fileobj=buffered, mode="rb")
+    elif compression == "zstd":
         try:
             import zstandard
         except ImportError:
             raise ImportError(f"input {source.path!r} is zstd-compressed: install the extra "
                               "`pip install torchcache-lm[zstd]` (the zstandard package)") from None
-        stream = _ZstdReader(counted, zstandard)
-    else:
-        stream = counted
+        stream = _ZstdReader(stream, zstandard)
     return io.BufferedReader(stream, 1 << 20), counted
 
 
@@ -255,118 +253,6 @@ def _zstd_error() -> type[BaseException]:
         return OSError
 
 
-# ---------------------------------------------------------------- numbering, digests, bad records
-
-class _Prefix:
-    """Numbers the records of one read of an input and hashes their raw content, in order.
-
-    A resumed read skips records 1..start; their digest must equal `start_digest`, the one
-    stored when they were consumed, or the input changed and resuming would mix two versions.
-    """
-
-    def __init__(self, name: str, start: int, start_digest: str | None, since: str = _SINCE_BUILD):
-        self.name, self.start, self.expected, self.since = name, start, start_digest, since
-        self.number = 0
-        self._hash = hashlib.sha256()
-        # bound once, as they are called for every record: hash raw content; hex digest so far
-        self.update, self.digest = self._hash.update, self._hash.hexdigest
-
-    def frame(self, tag: bytes, data: bytes) -> None:
-        """Hash `data` after a tag and its length, so consecutive values cannot run together."""
-        self._hash.update(b"%s%d:" % (tag, len(data)))
-        self._hash.update(data)
-
-    def advance(self) -> bool:
-        """Count the record just hashed; True when it comes after the resume point."""
-        self.number += 1
-        if self.number == self.start and self.expected is not None and self.digest() != self.expected:
-            raise self._changed("")
-        return self.number > self.start
-
-    def check_end(self, readable: str = "") -> None:
-        """The input ends here: one shorter than the resume point changed too."""
-        if self.number < self.start and self.expected is not None:
-            raise self._changed(f": it now has only {self.number}{readable} records")
-
-    def _changed(self, detail: str) -> InputChangedError:
-        return InputChangedError(f"{self.name}: the input changed {self.since} (its first {self.start} "
-                                 f"records differ{detail}); restore it, or build into a new output")
-
-
-class _BadRecord(Exception):
-    """Why a record cannot become a document: a reason from SKIP_REASONS and what is wrong."""
-
-    def __init__(self, reason: str, detail: str):
-        super().__init__(detail)
-        self.reason, self.detail = reason, detail
-
-
-def _skip_or_raise(where: str, bad: _BadRecord, on_error: str, number: int, position: int,
-                   key: str | None = None, digest: str | None = None) -> Record:
-    """A bad record: an InputError naming it (on_error='raise'), or the record, skipped."""
-    if bad.reason not in SKIP_REASONS:
-        raise AssertionError(f"unknown skip reason {bad.reason!r}")
-    if on_error == "raise":
-        raise InputError(f"{where}: {bad.detail}. Fix the input, or pass on_error='skip' to skip "
-                         "and count such records") from bad.__cause__
-    return Record(number, None, bad.reason, position, key=key, digest=digest)
-
-
-def _unreadable(source: InputSource, prefix: _Prefix, what: str, error: BaseException,
-                counted: _Counting, on_error: str) -> Record:
-    """The rest of the input cannot be decoded: an InputError, or a skipped record ending it.
-
-    An I/O error reading the input's bytes is not damage: it is raised again, to be retried.
-    """
-    if counted.failure is not None:
-        raise error
-    prefix.check_end(" readable")
-    noun = "shard" if source.kind == "wds" else "file"
-    message = " ".join(str(error).split())  # pyarrow's messages span lines
-    bad = _BadRecord("unreadable", f"{what} ({type(error).__name__}: {message}); the {noun} is "
-                                   "truncated or corrupted")
-    bad.__cause__ = error
-    return _skip_or_raise(source.path, bad, on_error, prefix.number + 1, counted.count,
-                          digest=prefix.digest())
-
-
-def _decode_utf8(data: bytes, unit: str) -> str:
-    try:
-        return data.decode("utf-8")
-    except UnicodeDecodeError as e:
-        raise _BadRecord("invalid_utf8", f"invalid UTF-8 at byte {e.start} of the {unit}") from e
-
-
-def _json_text(data: bytes, field: str, unit: str) -> str:
-    """The string in field `field` of the JSON object in `data` (a line or a member: `unit`)."""
-    try:
-        obj = json.loads(_decode_utf8(data, unit))
-    except ValueError as e:
-        raise _BadRecord("malformed_json", f"malformed JSON ({e})") from e
-    except RecursionError as e:  # json's parser recurses once per level of nesting
-        raise _BadRecord("malformed_json", "malformed JSON (nested too deeply to parse)") from e
-    if not isinstance(obj, dict) or field not in obj:
-        keys = sorted(obj)[:8] if isinstance(obj, dict) else type(obj).__name__
-        raise _BadRecord("missing_text", f"no {field!r} field (found {keys}); set text_key to the "
-                                         "field that holds the text")
-    text = obj[field]
-    if not isinstance(text, str):
-        raise _BadRecord("missing_text", f"field {field!r} is a {type(text).__name__}, not a string")
-    if not text.isascii():  # O(1); only non-ASCII text can hold a surrogate
-        _check_utf8(text, field)
-    return text
-
-
-def _check_utf8(text: str, field: str) -> None:
-    """A JSON `\\ud800` escape gives a lone surrogate, which is not UTF-8: left in, it would fail
-    in the tokenizer, far from its file and line."""
-    try:
-        text.encode("utf-8")
-    except UnicodeEncodeError as e:
-        raise _BadRecord("invalid_utf8", f"field {field!r} is not valid UTF-8 (a lone surrogate "
-                                         f"{text[e.start]!r} at character {e.start})") from e
-
-
 # ---------------------------------------------------------------- reading file inputs
 
 def iter_records(source: InputSource, text_key: str, start: int, on_error: str,
@@ -383,24 +269,24 @@ def iter_records(source: InputSource, text_key: str, start: int, on_error: str,
         raise ValueError(f"{source.path}: pre-tokenized documents are read from webdataset tars only")
     read = _READERS[source.kind]
     options = storage_options or {}
-    return _with_retries(source.path, lambda prefix: read(source, text_key, on_error, options,
-                                                           tokens, prefix), start, start_digest)
+    return _with_retries(source.path, lambda numbering: read(source, text_key, on_error, options,
+                                                           tokens, numbering), start, start_digest)
 
 
-def _with_retries(path: str, read: Callable[[_Prefix], Iterator[Record]], start: int,
+def _with_retries(path: str, read: Callable[[RecordNumbering], Iterator[Record]], start: int,
                   start_digest: str | None) -> Iterator[Record]:
     """Records of `read`; after an I/O error, the input is read again from the last record read
     (skipping the records before it, checked by their digest), until _ATTEMPTS reads in a row
     fail without reading a new record."""
-    since, failures = _SINCE_BUILD, 0
+    since, failures = SINCE_BUILD, 0
     while True:
-        prefix = _Prefix(path, start, start_digest, since)
+        numbering = RecordNumbering(path, start, start_digest, since)
         try:
-            yield from read(prefix)
+            yield from read(numbering)
             return
         except OSError as e:
-            if prefix.number > start:  # progress: every record read was yielded, or is skipped
-                start, start_digest, since, failures = prefix.number, prefix.digest(), _SINCE_READ, 0
+            if numbering.number > start:  # progress: every record read was yielded, or is skipped
+                start, start_digest, since, failures = numbering.number, numbering.digest(), SINCE_READ, 0
             failures += 1
             if failures >= _ATTEMPTS:
                 raise OSError(f"{path}: reading failed {failures} times ({type(e).__name__}: {e}) at "
@@ -410,65 +296,65 @@ def _with_retries(path: str, read: Callable[[_Prefix], Iterator[Record]], start:
 
 
 def _read_text(source: InputSource, text_key: str, on_error: str, options: dict[str, Any],
-               tokens: bool, prefix: _Prefix) -> Iterator[Record]:
+               tokens: bool, numbering: RecordNumbering) -> Iterator[Record]:
     """Records of a JSON lines or text file (plain, gzip or zstd)."""
-    with fsspec.open(source.path, "rb", **options) as raw:
+    with _open_input(source, options) as raw:
         stream, counted = _open_text_stream(source, raw)
         try:
             if source.kind == "txt":
-                yield from _txt_records(source, stream, counted, on_error, prefix)
+                yield from _txt_records(source, stream, counted, on_error, numbering)
             else:
-                yield from _jsonl_records(source, stream, counted, text_key, on_error, prefix)
+                yield from _jsonl_records(source, stream, counted, text_key, on_error, numbering)
         except (OSError, EOFError, zlib.error, _zstd_error()) as e:
-            yield _unreadable(source, prefix, f"cannot read the {source.compression or 'file'} "
-                                              f"stream{_where(source, prefix)}", e, counted, on_error)
+            yield _unreadable(source, numbering, f"cannot read the {source.compression or 'file'} "
+                                              f"stream{_where(source, numbering)}", e, counted, on_error)
 
 
-def _where(source: InputSource, prefix: _Prefix) -> str:
+def _where(source: InputSource, numbering: RecordNumbering) -> str:
     """Where in a text input reading stopped, for messages."""
     if source.kind == "txt":
         return ""
-    return f" after line {prefix.number}" if prefix.number else " before its first line"
+    return f" after line {numbering.number}" if numbering.number else " before its first line"
 
 
-def _jsonl_records(source: InputSource, stream: io.BufferedReader, counted: _Counting,
-                   text_key: str, on_error: str, prefix: _Prefix) -> Iterator[Record]:
+def _jsonl_records(source: InputSource, stream: io.BufferedReader, counted: CountingReader,
+                   text_key: str, on_error: str, numbering: RecordNumbering) -> Iterator[Record]:
     """One record per line (blank lines are numbered and hashed, but yield nothing)."""
     for line in stream:
-        prefix.update(line)
-        if prefix.advance() and not line.isspace():
-            yield _json_record(source, prefix.number, line, text_key, counted.count, on_error,
-                               prefix.digest())
-    prefix.check_end()
+        numbering.update(line)
+        if numbering.advance() and not line.isspace():
+            yield _json_record(source, numbering.number, line, text_key, counted.count, on_error,
+                               numbering.digest())
+    numbering.check_end()
 
 
 def _json_record(source: InputSource, number: int, line: bytes, text_key: str, position: int,
                  on_error: str, digest: str) -> Record:
     try:
-        text = _json_text(line, text_key, "line")
-    except _BadRecord as bad:
-        return _skip_or_raise(f"{source.path}:{number}", bad, on_error, number, position, digest=digest)
+        text = json_text(line, text_key, "line")
+    except BadRecord as bad:
+        return skipped_record(f"{source.path}:{number}", bad, on_error, number, position, digest=digest)
     return Record(number, text, None, position, digest=digest)
 
 
-def _txt_records(source: InputSource, stream: io.BufferedReader, counted: _Counting, on_error: str,
-                 prefix: _Prefix) -> Iterator[Record]:
+def _txt_records(source: InputSource, stream: io.BufferedReader, counted: CountingReader, on_error: str,
+                 numbering: RecordNumbering) -> Iterator[Record]:
     """A text file is one record: the whole file."""
     data = stream.read()
-    prefix.update(data)
-    if prefix.advance():
+    numbering.update(data)
+    if numbering.advance():
         try:
-            text = _decode_utf8(data, "file")
-        except _BadRecord as bad:
-            yield _skip_or_raise(f"{source.path}:1", bad, on_error, 1, counted.count,
-                                 digest=prefix.digest())
+            text = decode_utf8(data, "file")
+        except BadRecord as bad:
+            yield skipped_record(f"{source.path}:1", bad, on_error, 1, counted.count,
+                                 digest=numbering.digest())
         else:
-            yield Record(1, text, None, counted.count, digest=prefix.digest())
-    prefix.check_end()
+            yield Record(1, text, None, counted.count, digest=numbering.digest())
+    numbering.check_end()
 
 
 def _read_parquet(source: InputSource, text_key: str, on_error: str, options: dict[str, Any],
-                  tokens: bool, prefix: _Prefix) -> Iterator[Record]:
+                  tokens: bool, numbering: RecordNumbering) -> Iterator[Record]:
     """Rows of a Parquet file, read one row group at a time (never the whole file)."""
     try:
         import pyarrow as pa
@@ -477,12 +363,12 @@ def _read_parquet(source: InputSource, text_key: str, on_error: str, options: di
         raise ImportError(f"input {source.path!r} is Parquet: install the extra "
                           "`pip install torchcache-lm[parquet]` (the pyarrow package)") from None
     damage = (OSError, pa.ArrowException)  # pyarrow reports damage as OSError too; see _unreadable
-    with fsspec.open(source.path, "rb", **options) as raw:
-        counted = _Counting(raw)
+    with _open_input(source, options) as raw:
+        counted = CountingReader(raw)
         try:
             pf = pq.ParquetFile(counted)
         except damage as e:
-            yield _unreadable(source, prefix, "not a readable Parquet file", e, counted, on_error)
+            yield _unreadable(source, numbering, "not a readable Parquet file", e, counted, on_error)
             return
         if text_key not in pf.schema_arrow.names:
             raise InputError(f"{source.path}: no column {text_key!r} (columns: "
@@ -491,18 +377,18 @@ def _read_parquet(source: InputSource, text_key: str, on_error: str, options: di
             try:
                 values, is_text = _parquet_column(pa, pf, group, text_key)
             except damage as e:
-                yield _unreadable(source, prefix, f"cannot read row group {group}", e, counted, on_error)
+                yield _unreadable(source, numbering, f"cannot read row group {group}", e, counted, on_error)
                 return
             position = int(source.size * (group + 1) / max(pf.num_row_groups, 1)) if source.size else 0
             for value in values:
                 if is_text and value is not None:
-                    prefix.frame(b"s", value)
+                    numbering.frame(b"s", value)
                 else:
-                    prefix.frame(b"x", type(value).__name__.encode())
-                if prefix.advance():
-                    yield _parquet_record(source, prefix.number, value, is_text, text_key, position,
-                                          on_error, prefix.digest())
-        prefix.check_end()
+                    numbering.frame(b"x", type(value).__name__.encode())
+                if numbering.advance():
+                    yield _parquet_record(source, numbering.number, value, is_text, text_key, position,
+                                          on_error, numbering.digest())
+        numbering.check_end()
 
 
 def _parquet_column(pa, pf, group: int, text_key: str) -> tuple[list, bool]:
@@ -520,39 +406,39 @@ def _parquet_record(source: InputSource, number: int, value: Any, is_text: bool,
                     position: int, on_error: str, digest: str) -> Record:
     try:
         if not is_text or value is None:
-            raise _BadRecord("missing_text", f"row {number}: column {text_key!r} is "
+            raise BadRecord("missing_text", f"row {number}: column {text_key!r} is "
                                              f"{type(value).__name__}, not a string")
-        text = _decode_utf8(value, "row")
-    except _BadRecord as bad:
-        return _skip_or_raise(f"{source.path}:{number}", bad, on_error, number, position, digest=digest)
+        text = decode_utf8(value, "row")
+    except BadRecord as bad:
+        return skipped_record(f"{source.path}:{number}", bad, on_error, number, position, digest=digest)
     return Record(number, text, None, position, digest=digest)
 
 
 def _read_tar(source: InputSource, text_key: str, on_error: str, options: dict[str, Any],
-              tokens: bool, prefix: _Prefix) -> Iterator[Record]:
+              tokens: bool, numbering: RecordNumbering) -> Iterator[Record]:
     """Samples of one webdataset shard, as text or token records."""
     ext, field = parse_member_spec(text_key)
     last = ""
-    with fsspec.open(source.path, "rb", **options) as raw:
-        counted = _Counting(raw)
+    with _open_input(source, options) as raw:
+        counted = CountingReader(raw)
         try:
             for sample in iter_samples(io.BufferedReader(counted, 1 << 20)):
-                _hash_sample(prefix, sample)
+                _hash_sample(numbering, sample)
                 last = sample.last_name
-                if prefix.advance():
-                    yield _sample_record(source, prefix.number, sample, ext, field, tokens,
-                                         counted.count, on_error, prefix.digest())
-            prefix.check_end()
+                if numbering.advance():
+                    yield _sample_record(source, numbering.number, sample, ext, field, tokens,
+                                         counted.count, on_error, numbering.digest())
+            numbering.check_end()
         except (tarfile.TarError, OSError, EOFError, zlib.error) as e:
             where = f"after member {last!r}" if last else "at its start"
-            yield _unreadable(source, prefix, f"cannot read the tar {where}", e, counted, on_error)
+            yield _unreadable(source, numbering, f"cannot read the tar {where}", e, counted, on_error)
 
 
-def _hash_sample(prefix: _Prefix, sample: Sample) -> None:
-    prefix.frame(b"k", sample.key.encode("utf-8", "surrogateescape"))
+def _hash_sample(numbering: RecordNumbering, sample: Sample) -> None:
+    numbering.frame(b"k", sample.key.encode("utf-8", "surrogateescape"))
     for name, data in sample.files:
-        prefix.frame(b"n", name.encode("utf-8", "surrogateescape"))
-        prefix.frame(b"d", data)
+        numbering.frame(b"n", name.encode("utf-8", "surrogateescape"))
+        numbering.frame(b"d", data)
 
 
 def _sample_record(source: InputSource, number: int, sample: Sample, ext: str, field: str | None,
@@ -563,14 +449,14 @@ def _sample_record(source: InputSource, number: int, sample: Sample, ext: str, f
             try:
                 ids = decode_tokens(content, ext, field)
             except ValueError as e:
-                raise _BadRecord("bad_tokens", str(e)) from e
+                raise BadRecord("bad_tokens", str(e)) from e
             return Record(number, None, None, position, tokens=ids, key=sample.key, digest=digest)
         if field is None:
-            text = _decode_utf8(content, "member")
+            text = decode_utf8(content, "member")
         else:
-            text = _json_text(content, field, "member")
-    except _BadRecord as bad:
-        return _skip_or_raise(f"{source.path}: sample {sample.key!r} (member {sample.key}.{ext})", bad,
+            text = json_text(content, field, "member")
+    except BadRecord as bad:
+        return skipped_record(f"{source.path}: sample {sample.key!r} (member {sample.key}.{ext})", bad,
                               on_error, number, position, key=sample.key, digest=digest)
     return Record(number, text, None, position, key=sample.key, digest=digest)
 
@@ -579,14 +465,14 @@ def _member(sample: Sample, ext: str) -> bytes:
     """The bytes of the sample's member with extension `ext` (gunzipped for `.gz`)."""
     members = sample.members()
     if ext not in members:
-        raise _BadRecord("missing_text", f"no {ext!r} member (the sample has "
+        raise BadRecord("missing_text", f"no {ext!r} member (the sample has "
                                          f"{sorted(members) or 'no members'}); set text_key")
     data = members[ext]
     if ext.endswith(".gz"):
         try:
             data = gzip.decompress(data)
         except (OSError, EOFError, zlib.error) as e:  # in memory: damage, never an I/O error
-            raise _BadRecord("unreadable", f"cannot decompress ({e})") from e
+            raise BadRecord("unreadable", f"cannot decompress ({e})") from e
     return data
 
 
@@ -604,31 +490,31 @@ def iter_strings(items: Iterable[Any], start: int, on_error: str,
     `start_digest` is checked as in iter_records. An iterable cannot be reopened, so an error
     of the iterable itself propagates as it is.
     """
-    prefix = _Prefix(ITERABLE_PATH, start, start_digest)
+    numbering = RecordNumbering(ITERABLE_PATH, start, start_digest)
     for item in items:
-        bad = _hash_item(prefix, item)
-        if not prefix.advance():
+        bad = _hash_item(numbering, item)
+        if not numbering.advance():
             continue
         if bad is None:
-            yield Record(prefix.number, item, None, 0, digest=prefix.digest())
+            yield Record(numbering.number, item, None, 0, digest=numbering.digest())
         else:
-            yield _skip_or_raise(f"inputs item {prefix.number}", bad, on_error, prefix.number, 0,
-                                 digest=prefix.digest())
-    prefix.check_end()
+            yield skipped_record(f"inputs item {numbering.number}", bad, on_error, numbering.number, 0,
+                                 digest=numbering.digest())
+    numbering.check_end()
 
 
-def _hash_item(prefix: _Prefix, item: Any) -> _BadRecord | None:
+def _hash_item(numbering: RecordNumbering, item: Any) -> BadRecord | None:
     """Hash one item (a string as UTF-8, anything else by its type name, since a repr can hold
     an address); return why it cannot be a document, or None."""
     if not isinstance(item, str):
-        prefix.frame(b"x", type(item).__qualname__.encode())
-        return _BadRecord("missing_text", f"has type {type(item).__name__}, not str")
+        numbering.frame(b"x", type(item).__qualname__.encode())
+        return BadRecord("missing_text", f"has type {type(item).__name__}, not str")
     try:
-        prefix.frame(b"s", item.encode("utf-8"))
+        numbering.frame(b"s", item.encode("utf-8"))
         return None
     except UnicodeEncodeError as e:
-        prefix.frame(b"s", item.encode("utf-8", "surrogatepass"))
-        bad = _BadRecord("invalid_utf8", f"is not valid UTF-8 (a lone surrogate {item[e.start]!r} "
+        numbering.frame(b"s", item.encode("utf-8", "surrogatepass"))
+        bad = BadRecord("invalid_utf8", f"is not valid UTF-8 (a lone surrogate {item[e.start]!r} "
                                          f"at character {e.start})")
         bad.__cause__ = e
         return bad

@@ -8,7 +8,6 @@ prefetched-but-unreceived batches are simply produced again.
 
 from __future__ import annotations
 
-import copy
 import itertools
 import queue
 import threading
@@ -19,10 +18,11 @@ from typing import Any
 import torch.utils.data
 from torch.utils.data._utils.pin_memory import pin_memory as _pin_memory
 
-from torchcache._args import bool_arg, int_arg, number_arg, optional_int_arg
-from torchcache._permutation import PERMUTATION_ALGORITHM
-from torchcache.dataset import TokenDataset
-from torchcache.sample import DistributedSampler, _check_state, _length
+from ._args import bool_arg, int_arg, number_arg, optional_int_arg
+from ._permutation import PERMUTATION_ALGORITHM
+from ._state import check_state
+from .dataset import TokenDataset
+from .sample import DistributedSampler, dataset_length
 
 __all__ = ["DataLoader"]
 
@@ -40,9 +40,10 @@ class DataLoader(torch.utils.data.DataLoader):
 
     All of torch's arguments work (num_workers, prefetch_factor, persistent_workers,
     pin_memory, collate_fn, drop_last, multiprocessing_context, ...). The sampler must be a
-    :class:`torchcache.DistributedSampler`; if none is given one is built with
-    ``shuffle`` (default True) and the keyword ``seed`` (default 0). ``batch_sampler`` and
-    ``in_order=False`` are refused: counting needs known batch sizes in order.
+    :class:`torchcache.DistributedSampler`; if none is given one is built with ``shuffle``
+    (default False, as in torch: pass ``shuffle=True`` to shuffle) and the keyword ``seed``
+    (default 0). ``batch_sampler`` and ``in_order=False`` are refused: counting needs known
+    batch sizes in order.
 
     Counting rule: an iterator started at consumed position ``C`` serves ``k`` indices per rank
     (``sampler.iteration_length(C)``, None when unbounded) in batches of ``batch_size``; the
@@ -63,17 +64,18 @@ class DataLoader(torch.utils.data.DataLoader):
     reading overlaps the training step, and no int64 batch is copied between processes. With no
     ``collate_fn``, a :class:`~torchcache.TokenDataset` makes each batch in one call
     (``get_batch``: the same tensors as the default collate). This is the recommended
-    setting for ``TokenDataset``: in ``tools/bench_read.py`` (2 CPUs, batch 16 x 2048 tokens) it
-    gave 6-16x the samples/s of a plain torch DataLoader with 2 workers over a memmap (10x in
-    the reference run) and hid 93% of its loading time behind a 2 ms training step. Use worker
+    setting for ``TokenDataset`` (the README's Performance section has the measured figures,
+    from ``tools/bench_read.py``). Use worker
     processes instead when making a batch is heavy Python work (custom transforms), which would
     hold the GIL against the training loop.
 
     **Compact transfer** (``compact_transfer=True``, the default): with worker processes, no
     ``collate_fn`` and a :class:`~torchcache.TokenDataset`, workers send each batch as its token
     windows in the cache's dtype (uint16: 8x less data than two int64 tensors) and this process
-    widens them to the usual int64 ``input_ids``/``labels``. The batches are identical; the
-    loader's ``dataset`` attribute is then a shallow copy of the one given.
+    widens them to the usual int64 ``input_ids``/``labels``. The batches are identical. The
+    workers then belong to an inner torch DataLoader over a view of the dataset whose items are
+    those windows (``get_worker_info().dataset`` is that view; its ``dataset`` attribute is the
+    TokenDataset); ``loader.dataset`` is the dataset given.
 
     Resume stays exact: :meth:`state_dict` counts the batches the loop received, and prefetched
     ones are read again after resume. A new ``iter()`` or :meth:`load_state_dict` stops the
@@ -81,6 +83,14 @@ class DataLoader(torch.utils.data.DataLoader):
     RuntimeError); an abandoned iterator stops its thread when garbage-collected. An exception
     in the thread is re-raised by ``next()``, with its traceback. ``pin_memory`` and ``timeout``
     apply; ``prefetch_batches`` with ``num_workers > 0`` is refused.
+
+    >>> ds = tc.TokenDataset("runs/quickstart/cache", seq_len=2048)  # doctest: +SKIP
+    >>> sampler = tc.DistributedSampler(ds, shuffle=True, seed=0)  # doctest: +SKIP
+    >>> loader = tc.DataLoader(ds, batch_size=8, sampler=sampler, num_workers=2)  # doctest: +SKIP
+    >>> for step, batch in enumerate(loader):  # doctest: +SKIP
+    ...     if step % 1000 == 0:
+    ...         torch.save({"loader": loader.state_dict()}, "ckpt.pt")
+    >>> loader.load_state_dict(torch.load("ckpt.pt")["loader"])  # on restart  # doctest: +SKIP
     """
 
     def __init__(
@@ -115,7 +125,7 @@ class DataLoader(torch.utils.data.DataLoader):
             )
         if sampler is None:
             sampler = DistributedSampler(
-                dataset, seed=0 if seed is None else seed, shuffle=True if shuffle is None else shuffle
+                dataset, seed=0 if seed is None else seed, shuffle=False if shuffle is None else shuffle
             )
         elif not isinstance(sampler, DistributedSampler):
             raise TypeError(
@@ -131,7 +141,7 @@ class DataLoader(torch.utils.data.DataLoader):
                     f"shuffle={shuffle} contradicts sampler.shuffle={sampler.shuffle}; "
                     "set shuffle on the DistributedSampler only"
                 )
-        if sampler.num_samples != _length(dataset):
+        if sampler.num_samples != dataset_length(dataset):
             raise ValueError(
                 f"sampler covers {sampler.num_samples} samples but len(dataset) is {len(dataset)}; "
                 "build the sampler over the same dataset"
@@ -145,29 +155,37 @@ class DataLoader(torch.utils.data.DataLoader):
                 "in_order=False is not supported by torchcache.DataLoader: batches must arrive in "
                 "order for the consumed-sample count (and resume) to be exact"
             )
-        self._expand = None
-        if (compact_transfer and num_workers and collate_fn is None and batch_size is not None
-                and _plain_token_dataset(dataset)):
-            # workers send token windows in the cache's dtype; this process widens them to int64
-            dataset = copy.copy(dataset)
-            dataset._compact_in_workers = True
-            collate_fn, self._expand = _keep, dataset.expand_batch
         super().__init__(
             dataset, batch_size=batch_size, sampler=sampler, num_workers=num_workers,
             collate_fn=collate_fn, pin_memory=pin_memory, drop_last=drop_last, timeout=timeout,
             worker_init_fn=worker_init_fn, multiprocessing_context=multiprocessing_context,
             generator=generator, **kwargs,
         )
+        # Compact transfer: workers of an inner torch DataLoader read token windows in the
+        # cache's dtype; this process widens each batch to int64 (see _expanded).
+        self._compact_loader: torch.utils.data.DataLoader | None = None
+        if (compact_transfer and num_workers and collate_fn is None and batch_size is not None
+                and _plain_token_dataset(dataset)):
+            self._compact_loader = torch.utils.data.DataLoader(
+                _WorkerWindows(dataset), batch_size=batch_size, sampler=sampler,
+                num_workers=num_workers, pin_memory=False, drop_last=drop_last, timeout=timeout,
+                worker_init_fn=worker_init_fn, multiprocessing_context=multiprocessing_context,
+                generator=generator, **kwargs,
+            )
         self._consumed = 0
         self._generation = 0  # bumped per iter() and load_state_dict(); stale iterators stop counting
-        self._sampler_moves = sampler._moves
+        self._sampler_version = sampler.position_version  # after the last move this loader made
         self.prefetch_batches = prefetch_batches
-        self._use_get_batch = collate_fn is None and self._expand is None
+        self._use_get_batch = collate_fn is None
         self._prefetcher: weakref.ref[_Prefetcher] | None = None
 
     @property
     def consumed(self) -> int:
-        """Global stream positions the training loop has received so far (all ranks together)."""
+        """Global stream positions the training loop has received so far (all ranks together).
+
+        >>> loader.consumed  # after 10 batches of 8 on each of 4 ranks  # doctest: +SKIP
+        320
+        """
         self._adopt_sampler_moves()
         return self._consumed
 
@@ -178,21 +196,30 @@ class DataLoader(torch.utils.data.DataLoader):
         """If the user moved the sampler explicitly (set_position, set_epoch on a fresh sampler,
         sampler.load_state_dict), take its position as what has been consumed."""
         sampler = self.sampler
-        if sampler._moves != self._sampler_moves:
-            self._sampler_moves = sampler._moves
+        if sampler.position_version != self._sampler_version:
+            self._sampler_version = sampler.position_version
             self._consumed = sampler.position
             self._generation += 1
+
+    def _position_sampler(self, position: int) -> None:
+        """Move the sampler to ``position`` without taking it for a user's move."""
+        self.sampler.set_position(position)
+        self._sampler_version = self.sampler.position_version
 
     def _start(self) -> tuple[int, int | None, int]:
         """Move the sampler to the consumed position for a new iterator; -> (start, k, generation)."""
         self._adopt_sampler_moves()
-        self.sampler._move_to(self._consumed)
+        self._position_sampler(self._consumed)
         self._generation += 1
         return self._consumed, self.sampler.iteration_length(self._consumed), self._generation
 
     def __iter__(self) -> Iterator[Any]:
         self._stop_prefetching()
         start, count, generation = self._start()
+        if self._compact_loader is not None:
+            # iter() here, not at the first next(): it fixes the sampler's start position now
+            compact = iter(self._compact_loader)
+            return _CountingIterator(self, self._expanded(compact), start, count, generation)
         if not self.prefetch_batches:
             return _CountingIterator(self, super().__iter__(), start, count, generation)
         # iter(sampler) here, not in the thread: it fixes the start position before returning
@@ -225,6 +252,14 @@ class DataLoader(torch.utils.data.DataLoader):
                     batch = self.collate_fn(get_items(index) if get_items else [dataset[i] for i in index])
             yield batch if device is None else _pin_memory(batch, device)
 
+    def _expanded(self, compact_batches: Iterator[Any]) -> Iterator[Any]:
+        """The inner loader's compact batches, widened to the dataset's batches here."""
+        expand = self.dataset.expand_batch
+        device = _pin_device() if self.pin_memory else None
+        for compact in compact_batches:
+            batch = expand(compact)
+            yield batch if device is None else _pin_memory(batch, device)
+
     def _stop_prefetching(self) -> None:
         """Stop the previous iterator's prefetch thread and drop its batches (they were not received)."""
         prefetcher = self._prefetcher() if self._prefetcher is not None else None
@@ -233,14 +268,23 @@ class DataLoader(torch.utils.data.DataLoader):
         self._prefetcher = None
 
     def __len__(self) -> int:
-        """Batches the next ``iter()`` yields on this rank, from the consumed position."""
+        """Batches the next ``iter()`` yields on this rank, from the consumed position.
+
+        >>> len(tc.DataLoader(range(10), batch_size=4))  # doctest: +SKIP
+        3
+        """
         count = self.sampler.iteration_length(self.consumed)
         if count is None:
             raise TypeError("an infinite DataLoader without max_epochs/max_samples has no len()")
         return _num_batches(count, self._samples_per_batch(), self.drop_last)
 
     def state_dict(self) -> dict[str, Any]:
-        """Small JSON-serialisable state: the consumed global position plus what must match."""
+        """Small JSON-serialisable state: the consumed global position plus what must match.
+
+        >>> state = loader.state_dict()  # doctest: +SKIP
+        >>> state["consumed"], state["fingerprint"]  # doctest: +SKIP
+        (320, '9c1f.../seq2048')
+        """
         sampler = self.sampler
         fingerprint = getattr(self.dataset, "fingerprint", None)
         if fingerprint is not None and not isinstance(fingerprint, (str, int)):
@@ -272,6 +316,9 @@ class DataLoader(torch.utils.data.DataLoader):
         the global stream simply continues. A live iterator keeps yielding its old stream but no
         longer counts (with ``prefetch_batches`` it is stopped: its ``next()`` raises
         RuntimeError); the loaded state takes effect at the next ``iter()``.
+
+        >>> loader.load_state_dict(json.loads(Path("loader.json").read_text()))  # doctest: +SKIP
+        >>> batch = next(iter(loader))  # the batch after the last one the saved run received  # doctest: +SKIP
         """
         if isinstance(state, Mapping) and state.get("format") == "torchcache.sampler":
             raise ValueError(
@@ -280,7 +327,7 @@ class DataLoader(torch.utils.data.DataLoader):
                 "sampler.load_state_dict()"
             )
         current = self.state_dict()
-        checked = _check_state(
+        checked = check_state(
             state,
             {k: current[k] for k in _MATCHING},
             _LOADER_FIELDS,
@@ -292,8 +339,7 @@ class DataLoader(torch.utils.data.DataLoader):
         self._stop_prefetching()
         self._consumed = consumed
         self._generation += 1
-        self.sampler._move_to(consumed)
-        self._sampler_moves = self.sampler._moves
+        self._position_sampler(consumed)
 
 
 def _check_loader_args(*, batch_size: Any, shuffle: Any, num_workers: Any, pin_memory: Any,
@@ -318,9 +364,28 @@ def _plain_token_dataset(dataset: Any) -> bool:
     return isinstance(dataset, TokenDataset) and type(dataset).__getitems__ is TokenDataset.__getitems__
 
 
-def _keep(batch: Any) -> Any:
-    """collate_fn for compact transfer: the worker's batch is already one batch."""
-    return batch
+class _WorkerWindows(torch.utils.data.Dataset):
+    """A TokenDataset seen as its raw token windows: what workers read for compact transfer.
+
+    Item ``i`` is window ``i`` in the cache's dtype (viewed as a signed torch type), with the
+    document-boundary fields when the dataset has them. ``__getitems__`` is one batched read,
+    returned as a list of rows as torch's fetcher expects; the default collate stacks them back
+    into :meth:`TokenDataset.compact_batch`'s batch, which :meth:`TokenDataset.expand_batch`
+    widens in the main process.
+    """
+
+    def __init__(self, dataset: TokenDataset) -> None:
+        self.dataset = dataset
+
+    def __len__(self) -> int:
+        return len(self.dataset)
+
+    def __getitem__(self, index: int) -> dict[str, torch.Tensor]:
+        return self.__getitems__([index])[0]
+
+    def __getitems__(self, indices: list[int]) -> list[dict[str, torch.Tensor]]:
+        batch = self.dataset.compact_batch(indices)
+        return [dict(zip(batch, row)) for row in zip(*batch.values())]
 
 
 def _pin_device() -> str | None:
@@ -465,10 +530,6 @@ class _CountingIterator:
             received = self._count  # the short remainder is dropped: this was the epoch's last batch
         if loader._generation == self._generation:
             loader._consumed = self._start + received * self._world
-        if loader._expand is not None:
-            batch = loader._expand(batch)
-            if loader.pin_memory and (device := _pin_device()) is not None:
-                batch = _pin_memory(batch, device)
         return batch
 
     def __getattr__(self, name: str) -> Any:  # torch iterator internals stay reachable

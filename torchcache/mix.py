@@ -1,134 +1,27 @@
 """Weighted mixtures of datasets: exact proportions per block, weight schedules, O(1) indexing.
 
-The mixture is one endless, already shuffled stream of samples. Index ``i`` is a pure function of
-``(schedule, seed, block_size, the sources' lengths, i)`` computed in O(1) time and memory (no
-per-sample index arrays, nothing that grows with ``i``):
-
-1. **How many of each source.** Weights become exact fractions, normalised per stage to
-   proportions ``p`` summing to 1. ``H(m)`` is the largest-remainder apportionment of ``m`` seats:
-   ``floor(m * p_k)`` each, then one more for the sources with the largest remainders ``m * p_k -
-   floor(m * p_k)``, ties going to the source that comes first in the ``datasets`` dict. So every
-   ``H_k(m)`` is ``floor`` or ``ceil`` of ``m * p_k`` and they sum to ``m``. Samples come in blocks
-   of ``B = block_size``; the running count of source ``k`` after block ``b`` is
-
-       T_k(b) = T_k(b_s) + H_k^(s)((b - b_s) * B),
-
-   where stage ``s`` (the one holding block ``b``) starts at block ``b_s``, and ``T_k(b_s)`` comes
-   from the previous stage the same way (``T(0) = 0``). Block ``b`` holds ``c_k(b) = T_k(b + 1) -
-   T_k(b)`` samples of source ``k``: they sum to ``B``, and there is no drift (inside a stage, after
-   any whole number of blocks, each source has floor or ceil of its exact share of the samples
-   since the stage started; stages carry the totals on).
-2. **Order inside a block.** Slot ``j`` of block ``b`` goes to ``t = perm_b(j)`` (a keyed
-   permutation of ``[0, B)``, one per block); the sources' samples are laid out in dict order, so
-   ``t`` falls in source ``k``'s run ``[P_k, P_k + c_k(b))`` and is its ``r = t - P_k``-th sample in
-   the block: the source-local position ``L = T_k(b) + r``.
-3. **Reading the source.** Source ``k`` of length ``n_k`` is read as its own endless stream:
-   epoch ``e = L // n_k`` is a keyed permutation of ``[0, n_k)``, a different one per epoch, so a
-   source that runs out starts a new, differently shuffled pass over all its samples.
-
-All permutations are :class:`torchcache._permutation.Permutation` with keys from
-``derive_key(seed, purpose, epoch)`` (purposes ``"mix-block"`` and ``"mix-source:<name>"``).
+:class:`MixtureDataset` reads its sources; which source and which of its samples each mixture
+index reads is decided by its :class:`~torchcache.MixtureSchedule` (see
+:mod:`torchcache.schedule` for the algorithm), a pure function of the weights or stages, the
+seed, the block size and the sources' lengths.
 """
 
 from __future__ import annotations
 
-import bisect
-import decimal
 import hashlib
 import json
-import math
-import numbers
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Iterable, Mapping
 from fractions import Fraction
 from typing import Any
 
 import numpy as np
 from torch.utils.data import Dataset
 
-from torchcache._args import (INT64_MAX, POSITION_LIMIT, bool_arg, index_array, int_arg,
-                              optional_int_arg)
-from torchcache._permutation import PERMUTATION_ALGORITHM, Permutation, derive_key
+from ._args import POSITION_LIMIT, bool_arg, int_arg, optional_int_arg
+from ._permutation import PERMUTATION_ALGORITHM
+from .schedule import MIXTURE_ALGORITHM, MixtureSchedule, group_by
 
 __all__ = ["MixtureDataset", "MIXTURE_ALGORITHM"]
-
-#: Part of :attr:`MixtureDataset.fingerprint`; bump whenever any mixture index could map elsewhere.
-MIXTURE_ALGORITHM = "mixture-largest-remainder-v1"
-
-_BLOCK_CACHE = 64  # per-block (totals, layout, permutation) entries kept
-_PERM_CACHE = 64  # per-(source, epoch) permutations kept
-
-
-def _fraction(value: Any, what: str) -> Fraction:
-    """``value`` as an exact Fraction (a float as written), rejecting bools, NaN, inf and < 0."""
-    if isinstance(value, (bool, np.bool_)):
-        raise TypeError(f"{what} must be a number, got {value!r}")
-    if isinstance(value, np.integer):
-        value = int(value)
-    elif isinstance(value, np.floating):
-        value = float(value)
-    if not isinstance(value, (numbers.Real, decimal.Decimal)):
-        raise TypeError(f"{what} must be a number, got {value!r}")
-    try:
-        # a float is taken as its shortest decimal form, i.e. as written: 0.7 is exactly 7/10
-        frac = Fraction(repr(value)) if isinstance(value, float) else Fraction(value)
-    except (TypeError, ValueError, OverflowError, ZeroDivisionError):
-        raise ValueError(f"{what} must be a finite number, got {value!r}") from None
-    if frac < 0:
-        raise ValueError(f"{what} must be >= 0, got {value!r}")
-    return frac
-
-
-def _ceil_text(x: Fraction, digits: int = 6) -> str:
-    """``x`` rounded *up* to ``digits`` significant digits, as text (a lower bound stays one)."""
-    if x <= 0:
-        return "0"
-    exp = math.floor(math.log10(x)) - digits + 1
-    up = math.ceil(x / Fraction(10) ** exp) * Fraction(10) ** exp
-    return format(decimal.Decimal(up.numerator) / decimal.Decimal(up.denominator), "g")
-
-
-def _apportion(a: tuple[int, ...], denom: int, m: int) -> list[int]:
-    """Largest-remainder apportionment of ``m`` seats for proportions ``a[k] / denom``.
-
-    Exact integers; ties in the remainder go to the lower index (the source listed first).
-    Each result is floor or ceil of ``m * a[k] / denom``: the leftover seats number
-    ``sum(remainders) / denom``, fewer than the sources with a non-zero remainder, so a source
-    with a zero remainder (an exact share, or weight 0) never gets an extra seat.
-    """
-    quotas = [m * x for x in a]
-    seats = [q // denom for q in quotas]
-    left = m - sum(seats)
-    if left:
-        order = sorted(range(len(a)), key=lambda k: (-(quotas[k] % denom), k))
-        for k in order[:left]:
-            seats[k] += 1
-    return seats
-
-
-_SCALAR_MAX = 24  # below this many indices a Permutation is faster on Python ints than on numpy
-
-
-def _permute(perm: Permutation, values: np.ndarray) -> np.ndarray:
-    """``perm(values)`` for a 1-D int64 array; small ones on Python ints (numpy's per-call
-    overhead over the Feistel rounds dominates for a handful of indices)."""
-    if values.size > _SCALAR_MAX:
-        return perm(values)
-    return np.fromiter((perm(v) for v in values.tolist()), dtype=np.int64, count=values.size)
-
-
-def _groups(keys: np.ndarray) -> Iterator[tuple[int, np.ndarray]]:
-    """``(key, positions)`` for each distinct value of the 1-D array ``keys`` (ascending keys)."""
-    if keys.size == 0:
-        return
-    first = keys[0]
-    if (keys == first).all():
-        yield int(first), np.arange(keys.size)
-        return
-    order = np.argsort(keys, kind="stable")
-    sorted_keys = keys[order]
-    cuts = np.flatnonzero(sorted_keys[1:] != sorted_keys[:-1]) + 1
-    for part in np.split(order, cuts):
-        yield int(keys[part[0]]), part
 
 
 def _shared(values: Mapping[str, str]) -> str | None:
@@ -175,23 +68,6 @@ def _refuse_mixed_items(signatures: Mapping[str, str]) -> None:
         f"{signatures[b]}): torch's default collate cannot batch them, so the first mixed batch "
         "would fail. Use the same dataset class, seq_len, document_boundaries and max_segments "
         "for every source, or pass allow_mixed_items=True with a collate_fn that handles both")
-
-
-class _Stage:
-    """One stage of the schedule: proportions ``a[k] / denom`` from block ``block`` on."""
-
-    __slots__ = ("start", "block", "a", "denom", "weights")
-
-    def __init__(self, start: int, block: int, weights: tuple[Fraction, ...]) -> None:
-        total = sum(weights)
-        props = [w / total for w in weights]
-        self.denom = math.lcm(*(p.denominator for p in props))
-        self.a = tuple(p.numerator * (self.denom // p.denominator) for p in props)
-        self.start, self.block, self.weights = start, block, weights
-
-    @property
-    def proportions(self) -> tuple[Fraction, ...]:
-        return tuple(Fraction(x, self.denom) for x in self.a)
 
 
 class MixtureDataset(Dataset):
@@ -241,7 +117,14 @@ class MixtureDataset(Dataset):
     mixture index ``p``, and the next loader epoch continues the stream instead of replaying it.
     Exact, elastic resume through :class:`torchcache.DataLoader` works as for one dataset; the
     loader's state records :attr:`fingerprint`, so a state saved with other weights, schedule,
-    seed, block size or sources is refused.
+    seed, block size or sources is refused. :attr:`schedule` (a :class:`~torchcache.MixtureSchedule`)
+    is the index mapping alone, without the sources.
+
+    >>> web, code = tc.TokenDataset("web", 2048), tc.TokenDataset("code", 2048)  # doctest: +SKIP
+    >>> mix = tc.MixtureDataset({"web": web, "code": code}, {"web": 0.7, "code": 0.3}, seed=0)  # doctest: +SKIP
+    >>> loader = tc.DataLoader(mix, batch_size=8, num_workers=2)  # doctest: +SKIP
+    >>> mix.source_of(0), mix.source_counts(0, 1024)  # doctest: +SKIP
+    ('web', {'web': 717, 'code': 307})
     """
 
     #: Every index ``i >= 0`` is valid; ``len()`` is only the size of one loader epoch.
@@ -276,41 +159,16 @@ class MixtureDataset(Dataset):
         self.datasets: dict[str, Any] = dict(datasets)
         self.names: tuple[str, ...] = tuple(self.datasets)
         self._datasets = tuple(self.datasets.values())
-        self._lengths = tuple(int_arg(len(ds), f"len(datasets[{n!r}])", 0)
-                              for n, ds in self.datasets.items())
-        self.seed = int_arg(seed, "seed", 0)
-        self.block_size = int_arg(block_size, "block_size", 1, POSITION_LIMIT)
+        lengths = {n: int_arg(len(ds), f"len(datasets[{n!r}])", 0) for n, ds in self.datasets.items()}
+        int_arg(seed, "seed", 0)  # checked in this order: seed, block_size, num_samples, sources
+        int_arg(block_size, "block_size", 1, POSITION_LIMIT)
         self.num_samples = optional_int_arg(num_samples, "num_samples", 1, POSITION_LIMIT)
         self._check_sources_agree(bool_arg(allow_mixed_tokenizers, "allow_mixed_tokenizers"),
                                   bool_arg(allow_mixed_items, "allow_mixed_items"))
-
-        if weights is not None and schedule is not None:
-            raise ValueError("pass weights or schedule, not both (a constant mixture is a "
-                             "schedule with one stage: schedule=[(0, weights)])")
-        if schedule is None:
-            if weights is None:
-                weights = dict(zip(self.names, self._lengths))
-            stages_in = [(0, weights)]
-        else:
-            if isinstance(schedule, (Mapping, str, bytes)) or not isinstance(schedule, Iterable):
-                raise TypeError(f"schedule must be a list of (start_sample, weights) pairs, got "
-                                f"{type(schedule).__name__}")
-            stages_in = list(schedule)
-            if not stages_in:
-                raise ValueError("schedule is empty: give at least one (0, weights) stage")
-        self._is_schedule = schedule is not None
-        self._stages = self._parse_stages(stages_in)
-        self._stage_blocks = [st.block for st in self._stages]
-        # per-source totals T(b_s) at each stage start, carried from the previous stage
-        totals = [(0,) * len(self.names)]
-        for prev, st in zip(self._stages, self._stages[1:]):
-            seats = _apportion(prev.a, prev.denom, (st.block - prev.block) * self.block_size)
-            totals.append(tuple(t + c for t, c in zip(totals[-1], seats)))
-        self._stage_totals = totals
+        #: Which source and which of its samples each index reads (pure, immutable).
+        self.schedule = MixtureSchedule(lengths, weights, schedule=schedule, seed=seed,
+                                        block_size=block_size)
         self._fingerprint: str | None = None  # computed on first use (sources are fixed)
-        self._init_caches()
-
-    # -- construction ---------------------------------------------------------------------------
 
     def _check_sources_agree(self, mixed_tokenizers: bool, mixed_items: bool) -> None:
         """Refuse sources with different tokenizers or item shapes (unless allowed); record the
@@ -333,104 +191,26 @@ class MixtureDataset(Dataset):
                 values[name] = str(value)
         return values
 
-    def _parse_stages(self, stages_in: list[Any]) -> list[_Stage]:
-        B = self.block_size
-        stages: list[_Stage] = []
-        for s, item in enumerate(stages_in):
-            try:
-                start, weights = item
-            except (TypeError, ValueError):
-                raise TypeError(f"schedule stage {s} must be a (start_sample, weights) pair, "
-                                f"got {item!r}") from None
-            start = int_arg(start, f"schedule stage {s} start", 0, POSITION_LIMIT)
-            if s == 0 and start != 0:
-                raise ValueError(f"the first schedule stage must start at sample 0, not {start}")
-            if stages and start <= stages[-1].start:
-                raise ValueError(f"schedule stage starts must increase: stage {s} starts at "
-                                 f"{start}, stage {s - 1} at {stages[-1].start}")
-            if start % B:
-                lo, hi = start // B * B, (start // B + 1) * B
-                raise ValueError(
-                    f"schedule stage {s} starts at sample {start}, which is not a multiple of "
-                    f"block_size={B} (stages start on block boundaries): move it to {lo} or {hi}, "
-                    f"or use a block_size that divides every stage start")
-            stages.append(_Stage(start, start // B, self._parse_weights(weights, s)))
-        # every active source must get B * p >= 1, i.e. at least one sample per block on average
-        needs = [math.ceil(st.denom / x) for st in stages for x in st.a if x]
-        for s, st in enumerate(stages):
-            for k, x in enumerate(st.a):
-                if x == 0:
-                    continue
-                if self._lengths[k] == 0:
-                    raise ValueError(f"source {self.names[k]!r} is empty but has weight "
-                                     f"{self._weight_text(st.weights[k])}{self._where(s, st)}")
-                if B * x < st.denom:
-                    raise ValueError(self._too_small(s, st, k, max(needs), len(stages) > 1))
-        return stages
-
-    def _too_small(self, s: int, st: _Stage, k: int, works: int, staged: bool) -> str:
-        """The error for source ``k`` getting less than one sample per block in stage ``s``."""
-        B = self.block_size
-        p = Fraction(st.a[k], st.denom)
-        others = sum(st.weights) - st.weights[k]
-        text = (f"weight {self._weight_text(st.weights[k])} of source {self.names[k]!r}"
-                f"{self._where(s, st)} is too small for block_size={B}: its proportion "
-                f"{float(p):.6g} gives {float(B * p):.4g} samples per block of {B}, less than one "
-                f"(each block holds every source's exact share). Use block_size >= "
-                f"{math.ceil(1 / p)} (>= {works} works for every source"
-                f"{' and stage, if it divides every stage start' if staged else ''})")
-        if B > 1:
-            text += (f", or raise its weight to at least 1/{B} of the total (>= "
-                     f"{_ceil_text(others / (B - 1))} with the other weights unchanged)")
-        return text
-
-    def _where(self, s: int, st: _Stage) -> str:
-        return f" in schedule stage {s} (from sample {st.start})" if self._is_schedule else ""
-
-    @staticmethod
-    def _weight_text(w: Fraction) -> str:
-        return str(w) if w.denominator == 1 else f"{float(w):.6g}"
-
-    def _parse_weights(self, weights: Any, s: int) -> tuple[Fraction, ...]:
-        where = f" of schedule stage {s}" if self._is_schedule else ""
-        if not isinstance(weights, Mapping):
-            raise TypeError(f"weights{where} must be a dict name -> number, got "
-                            f"{type(weights).__name__}")
-        unknown = [n for n in weights if n not in self.datasets]
-        if unknown:
-            raise ValueError(f"weights{where} name unknown source(s) {unknown}; the sources are "
-                             f"{list(self.names)}")
-        missing = [n for n in self.names if n not in weights]
-        if missing:
-            raise ValueError(f"weights{where} have no entry for source(s) {missing}; give every "
-                             f"source a weight (0 excludes it)")
-        values = tuple(_fraction(weights[n], f"weight of source {n!r}{where}") for n in self.names)
-        if sum(values) == 0:
-            raise ValueError(f"all weights{where} are zero: at least one source needs a positive "
-                             "weight")
-        return values
-
-    def _init_caches(self) -> None:
-        # small caches of immutable entries; a batch touches one or two blocks
-        self._blocks: dict[int, tuple[np.ndarray, np.ndarray, Permutation]] = {}
-        self._perms: dict[tuple[int, int], Permutation] = {}
-
-    def __getstate__(self) -> dict[str, Any]:
-        state = self.__dict__.copy()  # pickled into each DataLoader worker: leave the caches out
-        state.pop("_blocks", None)
-        state.pop("_perms", None)
-        return state
-
-    def __setstate__(self, state: dict[str, Any]) -> None:
-        self.__dict__.update(state)
-        self._init_caches()
-
     # -- public description ---------------------------------------------------------------------
 
     @property
+    def seed(self) -> int:
+        """The seed of the block order and the sources' permutations."""
+        return self.schedule.seed
+
+    @property
+    def block_size(self) -> int:
+        """``B``: every ``B`` consecutive samples hold each source's exact share."""
+        return self.schedule.block_size
+
+    @property
     def stages(self) -> tuple[tuple[int, dict[str, Fraction]], ...]:
-        """The schedule as ``((start_sample, {name: proportion}), ...)``, exact, summing to 1."""
-        return tuple((st.start, dict(zip(self.names, st.proportions))) for st in self._stages)
+        """The schedule as ``((start_sample, {name: proportion}), ...)``, exact, summing to 1.
+
+        >>> mix.stages  # doctest: +SKIP
+        ((0, {'web': Fraction(7, 10), 'code': Fraction(3, 10)}),)
+        """
+        return self.schedule.stages
 
     @property
     def fingerprint(self) -> str:
@@ -439,6 +219,9 @@ class MixtureDataset(Dataset):
         A source contributes its own ``fingerprint`` attribute, or its class name and length when
         it has none. :class:`torchcache.DataLoader` saves it in its state and refuses a state
         with another one.
+
+        >>> mix.fingerprint  # doctest: +SKIP
+        'mixture-3f1c...'
         """
         if self._fingerprint is None:
             self._fingerprint = self._compute_fingerprint()
@@ -446,7 +229,7 @@ class MixtureDataset(Dataset):
 
     def _compute_fingerprint(self) -> str:
         sources = []
-        for name, ds, n in zip(self.names, self._datasets, self._lengths):
+        for name, ds, n in zip(self.names, self._datasets, self.schedule.lengths):
             fp = getattr(ds, "fingerprint", None)
             sources.append([name, str(fp) if fp is not None else f"{type(ds).__qualname__}:len={n}"])
         identity = {
@@ -454,7 +237,7 @@ class MixtureDataset(Dataset):
             "permutation": PERMUTATION_ALGORITHM,
             "seed": self.seed,
             "block_size": self.block_size,
-            "stages": [[st.start, [str(p) for p in st.proportions]] for st in self._stages],
+            "stages": [[start, [str(p) for p in props.values()]] for start, props in self.stages],
             "sources": sources,
         }
         digest = hashlib.sha256(json.dumps(identity, sort_keys=True).encode()).hexdigest()
@@ -462,172 +245,60 @@ class MixtureDataset(Dataset):
 
     def __len__(self) -> int:
         """``num_samples`` when given, else the sum of the sources' lengths (one loader epoch)."""
-        return self.num_samples if self.num_samples is not None else sum(self._lengths)
+        return self.num_samples if self.num_samples is not None else sum(self.schedule.lengths)
 
     def __repr__(self) -> str:
         parts = ", ".join(f"{n}={float(p):.3g}" for n, p in self.stages[0][1].items())
-        more = f", {len(self._stages)} stages" if len(self._stages) > 1 else ""
+        more = f", {len(self.stages)} stages" if len(self.stages) > 1 else ""
         return (f"MixtureDataset({parts}{more}, block_size={self.block_size}, seed={self.seed}, "
                 f"len={len(self)})")
 
-    # -- the stream -----------------------------------------------------------------------------
-
-    def _totals(self, b: int) -> tuple[int, ...]:
-        """``T(b)``: samples of each source in mixture indices ``[0, b * B)``; O(#sources)."""
-        s = bisect.bisect_right(self._stage_blocks, b) - 1
-        st = self._stages[s]
-        seats = _apportion(st.a, st.denom, (b - st.block) * self.block_size)
-        return tuple(t + c for t, c in zip(self._stage_totals[s], seats))
-
-    def _block(self, b: int) -> tuple[np.ndarray, np.ndarray, Permutation]:
-        """``(T(b), prefix, perm_b)`` of block ``b``: ``prefix[k]`` is where source ``k``'s run
-        starts in the block's layout (``prefix[-1] == B``)."""
-        hit = self._blocks.get(b)
-        if hit is not None:
-            return hit
-        before, after = self._totals(b), self._totals(b + 1)
-        # c_k = T_k(b+1) - T_k(b) >= 0: within one stage, with q = m * p_k (m samples since the
-        # stage start), T_k(b) - T_k(b_s) <= ceil(q) and T_k(b+1) - T_k(b_s) >= floor(q + B p_k),
-        # so c_k >= floor(q + B p_k) - ceil(q) >= floor(B p_k) - 1 >= 0, since construction
-        # checked B p_k >= 1 (if q is an integer, c_k >= floor(B p_k) >= 1). Weight 0: c_k = 0.
-        # Blocks never straddle stages (stage starts are multiples of B).
-        counts = [y - x for x, y in zip(before, after)]
-        assert min(counts) >= 0 and sum(counts) == self.block_size, (b, counts)
-        prefix = np.zeros(len(counts) + 1, dtype=np.int64)
-        np.cumsum(counts, out=prefix[1:])
-        entry = (np.array(before, dtype=np.int64), prefix,
-                 Permutation(self.block_size, derive_key(self.seed, "mix-block", b)))
-        if len(self._blocks) >= _BLOCK_CACHE:
-            self._blocks = {}  # replaced, not mutated: safe with a loader's read-ahead thread
-        self._blocks[b] = entry
-        return entry
-
-    def _source_permutation(self, k: int, epoch: int) -> Permutation:
-        key = (k, epoch)
-        perm = self._perms.get(key)
-        if perm is None:
-            key64 = derive_key(self.seed, f"mix-source:{self.names[k]}", epoch)
-            perm = Permutation(self._lengths[k], key64)
-            if len(self._perms) >= _PERM_CACHE:
-                self._perms = {}
-            self._perms[key] = perm
-        return perm
-
-    @staticmethod
-    def _indices(indices: Any) -> np.ndarray:
-        """Mixture indices as an int64 array (same shape), checked in one vectorised step:
-        TypeError for non-integers, IndexError for negative ones or ones past int64."""
-        arr = index_array(indices, "indices")
-        if arr.size and arr.min() < 0:
-            raise IndexError(f"mixture index {int(arr.min())} is negative (a mixture has no end, "
-                             "so negative indices have no meaning)")
-        return arr
-
-    def _positions(self, idx: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        """Source and source-local stream position ``L`` of flat mixture indices ``idx``."""
-        B = self.block_size
-        if idx.size and int(idx.max()) > np.iinfo(np.int64).max - B:
-            raise IndexError(f"mixture index {int(idx.max())} is too large (max 2**63 - 1 - {B})")
-        blocks, slots = np.divmod(idx, B)
-        source = np.empty(idx.shape, dtype=np.int64)
-        local = np.empty(idx.shape, dtype=np.int64)
-        for b, where in _groups(blocks):
-            totals, prefix, perm = self._block(b)
-            t = _permute(perm, slots[where])
-            k = np.searchsorted(prefix[1:], t, side="right")  # prefix[k] <= t < prefix[k + 1]
-            source[where] = k
-            local[where] = totals[k] + (t - prefix[k])
-        return source, local
+    # -- the stream (see MixtureSchedule) -------------------------------------------------------
 
     def locate(self, indices: Any) -> tuple[np.ndarray, np.ndarray]:
         """``(source_ids, local_indices)`` of mixture ``indices`` (int or array-like, any shape).
 
         ``source_ids`` index :attr:`names`; ``local_indices`` are indices into that source's
         dataset. Both are int64 arrays of the input's shape. O(1) per index, whatever its size.
+
+        >>> source, local = mix.locate([0, 1, 2])  # doctest: +SKIP
+        >>> mix.datasets[mix.names[source[0]]][local[0]]  # the same item as mix[0]  # doctest: +SKIP
         """
-        idx = self._indices(indices)
-        flat = idx.reshape(-1)
-        source, pos = self._positions(flat)
-        local = np.empty_like(pos)
-        for k, where in _groups(source):
-            n = self._lengths[k]
-            if n == 1:
-                local[where] = 0
-                continue
-            epochs, offsets = np.divmod(pos[where], n)
-            for e, sub in _groups(epochs):
-                local[where[sub]] = _permute(self._source_permutation(k, e), offsets[sub])
-        return source.reshape(idx.shape), local.reshape(idx.shape)
+        return self.schedule.locate(indices)
 
     def source_of(self, index: int) -> str:
-        """Name of the source that mixture index ``index`` comes from."""
-        source, _ = self.locate(self._scalar(index))
-        return self.names[int(source)]
+        """Name of the source that mixture index ``index`` comes from.
+
+        >>> mix.source_of(0)  # doctest: +SKIP
+        'web'
+        """
+        return self.schedule.source_of(index)
 
     def source_counts(self, start: int, stop: int) -> dict[str, int]:
         """Exact number of samples each source contributes to mixture indices ``[start, stop)``.
 
-        O(#sources) for the whole blocks (from the running totals) plus the slots of at most two
-        partial blocks, so any range costs the same, however long or far out. Use it to check a
-        schedule (see ``examples/mixture_schedule.py``).
+        O(1) in the range's length and position (see :meth:`MixtureSchedule.source_counts`).
+
+        >>> mix.source_counts(0, 1000)  # doctest: +SKIP
+        {'web': 700, 'code': 300}
         """
-        start = int_arg(start, "start", 0, INT64_MAX)
-        stop = int_arg(stop, "stop", 0, INT64_MAX)
-        if stop < start:
-            raise ValueError(f"stop must be >= start, got start={start}, stop={stop}")
-        B = self.block_size
-        counts = np.zeros(len(self.names), dtype=np.int64)
-        first, last = -(-start // B), stop // B  # whole blocks [first, last)
-        if first <= last:
-            counts += np.array(self._totals(last), dtype=np.int64) - self._totals(first)
-            partial = [(start, min(first * B, stop)), (max(last * B, start), stop)]
-        else:
-            partial = [(start, stop)]  # inside one block
-        for lo, hi in partial:
-            if hi > lo:
-                counts += self._partial_counts(lo, hi)
-        return dict(zip(self.names, counts.tolist()))
-
-    def _partial_counts(self, lo: int, hi: int) -> np.ndarray:
-        """Counts per source of indices ``[lo, hi)`` inside one block."""
-        B = self.block_size
-        b = lo // B
-        _, prefix, perm = self._block(b)
-        j0, j1 = lo - b * B, hi - b * B
-        whole = np.diff(prefix)
-        if j1 - j0 > B // 2:  # cheaper to count the complement
-            rest = np.concatenate([np.arange(0, j0), np.arange(j1, B)]).astype(np.int64)
-            return whole - self._slot_counts(perm(rest), prefix)
-        return self._slot_counts(perm(np.arange(j0, j1, dtype=np.int64)), prefix)
-
-    @staticmethod
-    def _slot_counts(t: np.ndarray, prefix: np.ndarray) -> np.ndarray:
-        k = np.searchsorted(prefix[1:], t, side="right")
-        return np.bincount(k, minlength=len(prefix) - 1).astype(np.int64)
+        return self.schedule.source_counts(start, stop)
 
     # -- reading --------------------------------------------------------------------------------
 
-    @staticmethod
-    def _scalar(index: Any) -> int:
-        """One mixture index as an int in ``[0, 2**63)``; TypeError/IndexError naming it."""
-        index = int_arg(index, "index", minimum=None)
-        if index < 0:
-            raise IndexError(f"mixture index {index} is negative (a mixture has no end, so "
-                             "negative indices have no meaning)")
-        if index > INT64_MAX:
-            raise IndexError(f"mixture index {index} is out of range (beyond int64)")
-        return index
-
     def __getitem__(self, index: int) -> Any:
-        source, local = self.locate(self._scalar(index))
-        return self._datasets[int(source)][int(local)]
+        source, local = self.schedule.locate_one(index)
+        return self._datasets[source][local]
 
     def __getitems__(self, indices: Any) -> list[Any]:
-        """Items of ``indices`` in order; each source is read once (its ``__getitems__`` if any)."""
-        source, local = self.locate(indices)
+        """Items of ``indices`` in order; each source is read once (its ``__getitems__`` if any).
+
+        >>> items = mix.__getitems__([0, 1, 2, 3])  # what a DataLoader worker calls  # doctest: +SKIP
+        """
+        source, local = self.schedule.locate(indices)
         source, local = source.reshape(-1), local.reshape(-1)
         out: list[Any] = [None] * source.size
-        for k, where in _groups(source):
+        for k, where in group_by(source):
             ds = self._datasets[k]
             wanted = local[where].tolist()
             get_items = getattr(ds, "__getitems__", None)

@@ -1,4 +1,4 @@
-"""Builds on Ray: the same per-input work function as the local pool, run as Ray generator tasks.
+"""Builds on Ray: the same work function as the local pool, run as Ray generator tasks.
 
 Each input is one task that streams its events (finished blocks, progress) back to the driver,
 which commits blocks in the same deterministic order as a local build, so the cache is
@@ -11,19 +11,24 @@ from __future__ import annotations
 
 from typing import Iterator
 
-from .build import BuildError, InputError, _commit, build_input, check_cancelled
+from .commit import Committer
+from .errors import BuildError, InputError
+from .executors import ShouldStop, check_cancelled
+from .records import InputSource
+from .worker import BuildJob, Event, WorkerFailed, build_input
 
 _MAX_RETRIES = 3
 
 
-def _build_input_task(job, index: int, source, start: dict) -> Iterator[tuple]:
+def _build_input_task(job: BuildJob, index: int, source: InputSource, start: dict) -> Iterator[Event]:
     try:
         yield from build_input(job, index, source, start)
     except InputError as e:  # bad input is not worth retrying: report it like a local worker does
-        yield ("error", index, "input", str(e))
+        yield WorkerFailed(index, "input", str(e))
 
 
-def run_ray(job, sources, todo: list[int], state, bar, report, should_stop,
+def run_ray(job: BuildJob, sources: list[InputSource] | None, todo: list[int],
+            starts: dict[int, dict], committer: Committer, should_stop: ShouldStop,
             num_workers: int | None) -> int:
     """Run the inputs `todo` on Ray (connecting to a running cluster, or starting a local one)."""
     try:
@@ -37,13 +42,13 @@ def run_ray(job, sources, todo: list[int], state, bar, report, should_stop,
         ray.init(num_cpus=num_workers, log_to_driver=False)
     task = ray.remote(_build_input_task).options(max_retries=_MAX_RETRIES,
                                                  retry_exceptions=[OSError, ConnectionError])
-    running = {task.remote(job, i, sources[i], dict(state.progress[i])): i for i in todo}
+    running = {task.remote(job, i, sources[i], dict(starts[i])): i for i in todo}
     built = 0
     try:
         while running:
             ready, _ = ray.wait(list(running), num_returns=1, timeout=0.5)
             check_cancelled(should_stop)
-            events = []
+            events: list[Event] = []
             try:
                 for gen in ready:
                     try:
@@ -55,7 +60,7 @@ def run_ray(job, sources, todo: list[int], state, bar, report, should_stop,
                                          f"Ray after {_MAX_RETRIES} retries: {e}; committed blocks "
                                          "are kept and a re-run resumes") from None
             finally:
-                built += _commit(events, state, bar, report)
+                built += committer.commit(events)
     finally:
         for gen in running:
             ray.cancel(gen, force=True)

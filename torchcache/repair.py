@@ -18,18 +18,26 @@ from typing import Any
 from tokenizers import Tokenizer
 
 from . import format as fmt
-from .build import BuildError, _Job, _lock, build_input
-from .inputs import ITERABLE_PATH, InputSource, resolve_inputs
-from .read import check_cache
+from .commit import acquire_lock
+from .errors import BuildError
+from .inputs import resolve_inputs
+from .records import ITERABLE_PATH, InputSource
 from .storage import LocalStorage, Storage, open_storage
 from .tokenizing import canonical_json, load_tokenizer, tokenizer_fingerprint
+from .verify import check_cache
+from .worker import BlockWritten, BuildJob, build_input
 
 _FILES = (("path", "checksum"), ("offsets", "offsets_checksum"), ("keys", "keys_checksum"))
 
 
 @dataclass
 class RepairResult:
-    """What a repair did: the block files it rewrote, and the problems it found first."""
+    """What a repair did: the block files it rewrote, and the problems it found first.
+
+    Example:
+        >>> result = tc.repair_cache("caches/web")
+        >>> result.repaired, result.problems   # ([], []) for a healthy cache
+    """
 
     path: str
     repaired: list[str]
@@ -49,7 +57,7 @@ def repair_cache(path: str | os.PathLike, *, storage_options: dict[str, Any] | N
         >>> result.repaired   # e.g. ['blocks/000002-000005.safetensors']
     """
     storage = open_storage(path, storage_options)
-    lock = _lock(storage)  # no builder may write while blocks are replaced
+    lock = acquire_lock(storage)  # no builder may write while blocks are replaced
     try:
         problems = check_cache(path, storage_options=storage_options, local_dir=local_dir)
         if not problems:
@@ -76,7 +84,7 @@ def repair_cache(path: str | os.PathLike, *, storage_options: dict[str, Any] | N
 
 
 def _job_for(storage: Storage, manifest: dict[str, Any],
-             storage_options: dict[str, Any] | None) -> _Job:
+             storage_options: dict[str, Any] | None) -> BuildJob:
     """The build job the manifest's spec describes (with the tokenizer stored in the cache)."""
     spec = manifest["spec"]
     tokenizer_json = None
@@ -93,7 +101,7 @@ def _job_for(storage: Storage, manifest: dict[str, Any],
     # "skip" reproduces every block a build committed whatever its on_error was: blocks end
     # before the first bad record a raising build stopped at
     dtype = {"U16": "uint16", "U32": "uint32"}[spec["dtype"]]
-    return _Job(storage, tokenizer_json, spec["bos_id"], spec["eos_id"], dtype, spec["text_key"],
+    return BuildJob(storage, tokenizer_json, spec["bos_id"], spec["eos_id"], dtype, spec["text_key"],
                 spec["block_tokens"], "skip", spec["special_tokens_as_text"],
                 dict(storage_options or {}), spec["vocab_size"])
 
@@ -122,7 +130,7 @@ def _input_source(spec_input: dict[str, Any], storage_options: dict[str, Any] | 
     return source
 
 
-def _rebuild_input(storage: Storage, job: _Job, manifest: dict[str, Any], input_index: int,
+def _rebuild_input(storage: Storage, job: BuildJob, manifest: dict[str, Any], input_index: int,
                    wanted: dict[int, dict], storage_options: dict[str, Any] | None) -> list[str]:
     """Re-tokenize one input from its start into a scratch directory; put back the wanted blocks."""
     source = _input_source(manifest["spec"]["inputs"][input_index], storage_options)
@@ -132,9 +140,9 @@ def _rebuild_input(storage: Storage, job: _Job, manifest: dict[str, Any], input_
         start = {"records": 0, "skipped": {}, "blocks": 0}
         written: list[str] = []
         for event in build_input(scratch_job, input_index, source, start):
-            if event[0] != "block":
+            if not isinstance(event, BlockWritten):
                 continue
-            rebuilt = event[2]
+            rebuilt = event.entry
             original = wanted.pop(rebuilt["index"], None)
             if original is not None:
                 written += _put_back(storage, scratch, rebuilt, original, source.path)
@@ -147,7 +155,7 @@ def _rebuild_input(storage: Storage, job: _Job, manifest: dict[str, Any], input_
         shutil.rmtree(scratch, ignore_errors=True)
 
 
-def _replace_output(job: _Job, output: Storage) -> _Job:
+def _replace_output(job: BuildJob, output: Storage) -> BuildJob:
     return dataclasses.replace(job, output=output)
 
 

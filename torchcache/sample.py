@@ -14,19 +14,20 @@ from __future__ import annotations
 import math
 import time
 import warnings
-from collections import OrderedDict
-from collections.abc import Callable, Collection, Iterator, Mapping, Sized
+from collections.abc import Iterator, Mapping, Sized
 from typing import Any
 
 import numpy as np
 import torch
 from torch.utils.data import Sampler
 
-from torchcache._args import (POSITION_LIMIT, bool_arg, index_array, int_arg, number_arg,
-                              optional_int_arg, position_arg)
-from torchcache._permutation import PERMUTATION_ALGORITHM, Permutation, derive_key
+from ._args import (POSITION_LIMIT, bool_arg, index_array, int_arg, number_arg, optional_int_arg,
+                    position_arg)
+from ._lru import LRUCache
+from ._permutation import PERMUTATION_ALGORITHM, Permutation, derive_key
+from ._state import check_state
 
-__all__ = ["DistributedSampler"]
+__all__ = ["DistributedSampler", "dataset_length"]
 
 SAMPLER_STATE_FORMAT = "torchcache.sampler"
 SAMPLER_STATE_VERSION = 1
@@ -47,141 +48,25 @@ def _distributed_defaults() -> tuple[int, int]:
     return 0, 1
 
 
-# -- saved states: every field checked when loaded, not at the next batch ----------------------
+def dataset_length(dataset: Any) -> int:
+    """``len(dataset)`` as a checked int; a TypeError naming ``dataset`` if it has no length.
 
-def _text_field(value: Any, name: str) -> str:
-    if not isinstance(value, str):
-        raise TypeError(f"{name} must be a str, got {type(value).__name__}")
-    return value
-
-
-def _count_field(value: Any, name: str) -> int:
-    return int_arg(value, name, minimum=0)
-
-
-def _positive_field(value: Any, name: str) -> int:
-    return int_arg(value, name, minimum=1)
-
-
-def _optional_count_field(value: Any, name: str) -> int | None:
-    return optional_int_arg(value, name, minimum=0)
-
-
-def _optional_positive_field(value: Any, name: str) -> int | None:
-    return optional_int_arg(value, name, minimum=1)
-
-
-def _fingerprint_field(value: Any, name: str) -> str | int | None:
-    """A dataset fingerprint as :meth:`torchcache.DataLoader.state_dict` saves it: str, int or None."""
-    if value is None or isinstance(value, str):
-        return value
-    return int_arg(value, name, minimum=None)
-
-
-#: How each field a state may hold is checked (a TypeError/ValueError naming ``state[field]``).
-_STATE_FIELDS: dict[str, Callable[[Any, str], Any]] = {
-    "format": _text_field,
-    "version": _count_field,
-    "algorithm": _text_field,
-    "counts": _text_field,
-    "seed": _count_field,
-    "shuffle": bool_arg,
-    "num_samples": _optional_count_field,
-    "window": _optional_positive_field,
-    "fingerprint": _fingerprint_field,
-    "world_size": _positive_field,
-    "batch_size": _optional_positive_field,
-    "position": position_arg,
-    "consumed": position_arg,
-    "remaining": _optional_count_field,
-}
-
-_IDENTITY = ("fingerprint", "num_samples")  # what says which dataset a state belongs to
-
-
-def _check_state(state: Any, expected: Mapping[str, Any], fields: Collection[str], what: str,
-                 hint: str) -> dict[str, Any]:
-    """Validate a saved ``state`` of ``what`` completely; return its checked fields.
-
-    ``fields`` are the keys the state must have, no more (``expected``'s among them). In order:
-    a state of another format or version is refused first (ValueError; its other fields mean
-    something else); then every field's type and range (TypeError/ValueError naming it); then
-    one ValueError listing every field that differs from ``expected`` (``hint`` says what to do
-    instead). A null ``"fingerprint"`` or ``"num_samples"`` (a dataset without a fingerprint, a
-    cache still being built) matches anything, but not both at once for a dataset they would
-    identify: see :func:`_identity_problems`.
+    >>> dataset_length(range(5))
+    5
     """
-    if not isinstance(state, Mapping):
-        raise TypeError(f"state must be a dict from {what}.state_dict(), got {type(state).__name__}")
-    _refuse(_differences(state, expected, ("format", "version"), what), what, hint)
-    checked = _checked_fields(state, fields, what)
-    _refuse(_differences(checked, expected, expected, what)
-            + _identity_problems(checked, expected, what), what, hint)
-    return checked
-
-
-def _checked_fields(state: Mapping[str, Any], fields: Collection[str], what: str) -> dict[str, Any]:
-    """Each field of ``state`` through its :data:`_STATE_FIELDS` check; missing or unknown ones refused."""
-    missing = [key for key in fields if key not in state]
-    unknown = [key for key in state if key not in fields]
-    if missing or unknown:
-        parts = ([f"missing {missing}"] if missing else []) + ([f"unknown {unknown}"] if unknown else [])
-        raise ValueError(f"cannot load this state into {what}: fields " + ", ".join(parts) +
-                         f"; a {what} state has exactly {sorted(fields)}")
-    return {key: _STATE_FIELDS[key](state[key], f"state[{key!r}]") for key in fields}
-
-
-def _differences(state: Mapping[str, Any], expected: Mapping[str, Any], keys: Collection[str],
-                 what: str) -> list[str]:
-    """One line per key of ``keys`` whose value in ``state`` is not the expected one."""
-    problems = []
-    for key in keys:
-        if key not in state:
-            problems.append(f"{key!r} is missing")
-            continue
-        got, want = state[key], expected[key]
-        if key in _IDENTITY and (got is None or want is None):
-            continue
-        if got != want or type(got) is bool and type(want) is not bool:
-            problems.append(f"{key}: saved {got!r}, this {what} has {want!r}")
-    return problems
-
-
-def _identity_problems(state: Mapping[str, Any], expected: Mapping[str, Any],
-                       what: str) -> list[str]:
-    """Why nothing in ``state`` ties it to this dataset, although no field differs; or [].
-
-    This library saves a null ``num_samples`` only while a quick-start sampler (``window``)
-    trains on a cache still being built, and a null ``fingerprint`` only for a dataset that has
-    none. A state that identifies nothing (both null where this dataset has a fingerprint, or
-    each side knowing a different half) would load into any dataset: refused.
-    """
-    problems = []
-    if "num_samples" in expected and state["num_samples"] is None and state["window"] is None:
-        problems.append("num_samples: saved null without a window (only a quick-start state, "
-                        "saved while its cache was still being built, has a null num_samples)")
-    if "fingerprint" not in expected:
-        return problems
-    known = [key for key in _IDENTITY if state[key] is not None and expected[key] is not None]
-    if not known and state["fingerprint"] != expected["fingerprint"]:
-        problems.append(
-            f"fingerprint and num_samples: the state has fingerprint {state['fingerprint']!r} and "
-            f"num_samples {state['num_samples']!r}, this {what} has {expected['fingerprint']!r} "
-            f"and {expected['num_samples']!r}, so nothing shows that the state belongs to this "
-            "dataset")
-    return problems
-
-
-def _refuse(problems: list[str], what: str, hint: str) -> None:
-    if problems:
-        raise ValueError(f"cannot load this state into {what}: " + "; ".join(problems) + f". {hint}")
-
-
-def _length(dataset: Any) -> int:
-    """``len(dataset)``; a TypeError naming ``dataset`` if it has no length."""
     if not hasattr(dataset, "__len__"):
         raise TypeError(f"dataset must be a sized dataset (with len()), got {type(dataset).__name__}")
     return int_arg(len(dataset), "len(dataset)", 0)
+
+
+def _replicas(num_replicas: Any, world_size: Any) -> int | None:
+    """The number of ranks given as ``num_replicas`` or its alias ``world_size`` (None: neither)."""
+    replicas = optional_int_arg(num_replicas, "num_replicas", 1)
+    world = optional_int_arg(world_size, "world_size", 1)
+    if replicas is not None and world is not None and replicas != world:
+        raise ValueError(f"num_replicas={replicas} and world_size={world} disagree: world_size is "
+                         "an alias of num_replicas; pass only one of them")
+    return replicas if replicas is not None else world
 
 
 def _build_handle(build: Any) -> Any:
@@ -195,15 +80,22 @@ def _build_handle(build: Any) -> Any:
 class DistributedSampler(Sampler[int]):
     """Each rank's share of the global stream of permuted dataset indices.
 
+    The first five parameters are torch's, in torch's order:
+    ``tc.DistributedSampler(ds, 2, 1, False, 0)`` is rank 1 of 2, no shuffle, seed 0, as for
+    ``torch.utils.data.DistributedSampler``; the others are keyword-only.
+
     Args:
         dataset: anything with ``len()``; ``n = len(dataset)`` samples.
-        seed: permutation seed (>= 0); the same seed gives the same stream on every run.
+        num_replicas: the number of ranks ``W`` (``world_size=`` is an alias). With ``rank``,
+            defaults to torch.distributed's when it is initialised, else 1 (and rank 0).
+            The sampler never initialises a process group and never synchronises.
+        rank: this process's rank, in ``[0, num_replicas)``.
         shuffle: permute each epoch; if False position ``p`` reads index ``p % n``. Ignored for a
             dataset with ``unbounded_indices = True`` (:class:`torchcache.MixtureDataset`): it is
             already shuffled and every index ``>= 0`` is valid, so position ``p`` reads index
             ``p`` (``len(dataset)`` then only sets the loader-epoch size; ``window`` is refused).
-        rank, world_size: default to torch.distributed's when it is initialised, else 0 and 1.
-            The sampler never initialises a process group and never synchronises.
+        seed: permutation seed (>= 0); the same seed gives the same stream on every run.
+        world_size: alias of ``num_replicas`` (give one of them, or both equal).
         infinite: ``iter()`` never ends (continues across epochs), for step-based loops.
         max_epochs: stop the stream at global position ``max_epochs * E``, ``E`` below.
         max_samples: stop the stream at global position ``max_samples``.
@@ -236,16 +128,26 @@ class DistributedSampler(Sampler[int]):
     dispatches (rank ``r`` next yields position ``position + r``). The sampler's own
     :meth:`state_dict` records that *dispatched* position; :class:`torchcache.DataLoader`'s
     state records what the training loop *consumed* and drives this position itself.
+
+    With ``shuffle=False`` the first loader epoch is exactly torch's (which pads the last
+    positions with the first indices, as the continuing stream does); torch repeats that epoch
+    while this stream moves on, so later epochs agree only when ``W`` divides ``n``.
+
+    >>> sampler = tc.DistributedSampler(range(10), 2, 1, shuffle=False)  # rank 1 of 2
+    >>> list(sampler)
+    [1, 3, 5, 7, 9]
+    >>> loader = tc.DataLoader(ds, batch_size=8, sampler=tc.DistributedSampler(ds, seed=0))  # doctest: +SKIP
     """
 
     def __init__(
         self,
         dataset: Sized,
-        seed: int = 0,
-        shuffle: bool = True,
+        num_replicas: int | None = None,
         rank: int | None = None,
-        world_size: int | None = None,
+        shuffle: bool = True,
+        seed: int = 0,
         *,
+        world_size: int | None = None,
         infinite: bool = False,
         max_epochs: int | None = None,
         max_samples: int | None = None,
@@ -254,7 +156,7 @@ class DistributedSampler(Sampler[int]):
         build: Any = None,
     ) -> None:
         self.dataset = dataset
-        self.num_samples = _length(dataset)
+        self.num_samples = dataset_length(dataset)
         self.window = optional_int_arg(window, "window", 1, POSITION_LIMIT)
         # Datasets with unbounded indices (tc.MixtureDataset): already shuffled, read in order.
         self.unbounded = bool(getattr(dataset, "unbounded_indices", False))
@@ -275,10 +177,12 @@ class DistributedSampler(Sampler[int]):
         self.seed = int_arg(seed, "seed", 0)
         self.shuffle = bool_arg(shuffle, "shuffle")
         default_rank, default_world = _distributed_defaults()
-        self.world_size = int_arg(default_world if world_size is None else world_size, "world_size", 1)
+        given = _replicas(num_replicas, world_size)
+        self.world_size = default_world if given is None else given
         self.rank = int_arg(default_rank if rank is None else rank, "rank", 0)
         if self.rank >= self.world_size:
-            raise ValueError(f"rank must be < world_size, got rank={self.rank}, world_size={self.world_size}")
+            raise ValueError(f"rank must be < num_replicas (world_size), got rank={self.rank}, "
+                             f"num_replicas={self.world_size}")
         self.infinite = bool_arg(infinite, "infinite")
         self.max_epochs = optional_int_arg(max_epochs, "max_epochs", 0)
         self.max_samples = optional_int_arg(max_samples, "max_samples", 0)
@@ -286,14 +190,18 @@ class DistributedSampler(Sampler[int]):
         self.position = 0
         self._fresh = True  # never iterated or positioned: set_epoch may jump
         self._generation = 0  # bumped by iter()/set_position(); stale iterators stop writing position
-        self._moves = 0  # explicit user moves (set_position, set_epoch jump, load_state_dict)
-        self._perms: OrderedDict[int, Permutation] = OrderedDict()
+        self._position_version = 0  # bumped by every set_position (see position_version)
+        self._perms: LRUCache[Permutation] = LRUCache(_PERM_CACHE)
 
     # -- the stream ---------------------------------------------------------------------------
 
     @property
     def epoch_size(self) -> int | None:
-        """``E = W * ceil(n / W)``: global positions per loader epoch (None while n is unknown)."""
+        """``E = W * ceil(n / W)``: global positions per loader epoch (None while n is unknown).
+
+        >>> tc.DistributedSampler(range(10), 4, 0).epoch_size
+        12
+        """
         if self._growing:
             return None
         return self.world_size * math.ceil(self.num_samples / self.world_size)
@@ -342,19 +250,17 @@ class DistributedSampler(Sampler[int]):
                 raise ValueError("the finished cache holds no complete sample")
 
     def _permutation(self, epoch: int) -> Permutation:
-        perm = self._perms.get(epoch)
-        if perm is None:
-            perm = Permutation(self.num_samples, derive_key(self.seed, "sample", epoch))
-            self._perms[epoch] = perm
-            if len(self._perms) > _PERM_CACHE:
-                self._perms.popitem(last=False)
-        return perm
+        return self._perms.get_or_make(
+            epoch, lambda: Permutation(self.num_samples, derive_key(self.seed, "sample", epoch)))
 
     def indices_for_positions(self, positions: np.ndarray) -> np.ndarray:
         """Dataset indices (int64) for global stream ``positions``, vectorised per epoch.
 
         This is the only place that maps positions to indices, so a subclass can change the
         order (e.g. a quick-start first epoch) by overriding it alone.
+
+        >>> tc.DistributedSampler(range(5), shuffle=False).indices_for_positions(np.arange(3, 8))
+        array([3, 4, 0, 1, 2])
         """
         positions = index_array(positions, "positions")
         if positions.size and positions.min() < 0:
@@ -401,7 +307,11 @@ class DistributedSampler(Sampler[int]):
         return out
 
     def iteration_length(self, position: int | None = None) -> int | None:
-        """Indices ``iter()`` yields on each rank when started at ``position``; None if unbounded."""
+        """Indices ``iter()`` yields on each rank when started at ``position``; None if unbounded.
+
+        >>> tc.DistributedSampler(range(10), 2, 0).iteration_length(4)
+        3
+        """
         start = self.position if position is None else position_arg(position, "position")
         W = self.world_size
         count = None
@@ -453,14 +363,39 @@ class DistributedSampler(Sampler[int]):
     # -- positioning and state ----------------------------------------------------------------
 
     def set_position(self, position: int) -> None:
-        """Continue from global ``position`` at the next ``iter()`` (a live iterator is unaffected)."""
-        self._move_to(position_arg(position, "position"))
-        self._moves += 1
+        """Continue from global ``position`` at the next ``iter()`` (a live iterator is unaffected).
 
-    def _move_to(self, position: int) -> None:
-        self.position = position
+        Every call bumps :attr:`position_version`. :class:`torchcache.DataLoader` positions its
+        sampler this way at each ``iter()``, and takes a move made by someone else (this method,
+        :meth:`set_epoch` on a fresh sampler, :meth:`load_state_dict`) as the new consumed count.
+
+        >>> sampler.set_position(4096)  # doctest: +SKIP
+        >>> first = next(iter(sampler))  # the index at global position 4096 + rank  # doctest: +SKIP
+        """
+        self.position = position_arg(position, "position")
         self._fresh = False
         self._generation += 1
+        self._position_version += 1
+
+    @property
+    def position_version(self) -> int:
+        """How many times :meth:`set_position` has moved this sampler (directly, or through
+        :meth:`set_epoch` or :meth:`load_state_dict`); iterating does not change it.
+
+        An owner that positions the sampler itself (:class:`torchcache.DataLoader`) compares it
+        with the value after its own last move to tell whether someone else moved the sampler.
+
+        >>> before = sampler.position_version  # doctest: +SKIP
+        >>> sampler.set_position(0)  # doctest: +SKIP
+        >>> sampler.position_version == before + 1  # doctest: +SKIP
+        True
+        """
+        return self._position_version
+
+    @property
+    def num_replicas(self) -> int:
+        """The number of ranks (torch's name for :attr:`world_size`)."""
+        return self.world_size
 
     def set_epoch(self, epoch: int) -> None:
         """Accepted for drop-in compatibility with torch's DistributedSampler; usually a no-op.
@@ -470,6 +405,10 @@ class DistributedSampler(Sampler[int]):
         sampler (never iterated or positioned) it jumps to the start of loader epoch ``epoch``.
         Otherwise it warns and changes nothing, rather than silently skip or replay data; use
         :meth:`set_position` to move explicitly.
+
+        >>> for epoch in range(3):  # a torch-style epoch loop works unchanged  # doctest: +SKIP
+        ...     sampler.set_epoch(epoch)
+        ...     for batch in loader: ...
         """
         epoch = int_arg(epoch, "epoch", 0, None if self._growing
                         else (POSITION_LIMIT - 1) // self.epoch_size)
@@ -507,6 +446,9 @@ class DistributedSampler(Sampler[int]):
         (torchdata's ``StatefulDataLoader`` also resumes exactly: it snapshots this state, and the
         live iterator's, when a batch is dispatched and keeps that snapshot until the batch is
         yielded; see :class:`_SamplerIterator`.)
+
+        >>> tc.DistributedSampler(range(10), seed=3).state_dict()["position"]
+        0
         """
         return {
             "format": SAMPLER_STATE_FORMAT,
@@ -523,8 +465,11 @@ class DistributedSampler(Sampler[int]):
                 **self._identity()}
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
-        """Validate a :meth:`state_dict` and continue from its position (any world size)."""
-        checked = _check_state(
+        """Validate a :meth:`state_dict` and continue from its position (any world size).
+
+        >>> sampler.load_state_dict(saved)  # refused if seed, shuffle or dataset differ  # doctest: +SKIP
+        """
+        checked = check_state(
             state, self._expected_state(SAMPLER_STATE_FORMAT), _SAMPLER_FIELDS, "DistributedSampler",
             "Load a state saved by a DistributedSampler over the same dataset with the same seed "
             "and shuffle (or start a new run without loading it).",
@@ -579,7 +524,7 @@ class _SamplerIterator(Iterator[int]):
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         """Continue the saved iteration: the same indices (another world size: to its loader-epoch end)."""
         sampler = self._sampler
-        checked = _check_state(
+        checked = check_state(
             state, sampler._expected_state(SAMPLER_ITERATOR_STATE_FORMAT), _ITERATOR_FIELDS,
             "DistributedSampler iterator",
             "Load a state saved by an iterator of a DistributedSampler over the same dataset with "

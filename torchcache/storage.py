@@ -19,15 +19,11 @@ import time
 import uuid
 from typing import Any, Iterable
 
+import fsspec
+
+from .errors import CacheFormatError
+
 TMP_MARK = ".tmp-"
-
-
-class CacheFormatError(ValueError):
-    """A cache file is missing, truncated, corrupted or not in a format this version can read.
-
-    Defined here, the lowest layer, so that opening files safely can raise it; re-exported as
-    ``torchcache.format.CacheFormatError`` and ``torchcache.CacheFormatError``.
-    """
 
 
 def _file_kind(mode: int) -> str:
@@ -153,6 +149,10 @@ class LocalStorage(Storage):
                     f.write(part)
                 f.flush()
                 os.fsync(f.fileno())
+            if rel == MANIFEST:  # it makes blocks visible: their renames must be durable first
+                blocks = self._path(BLOCK_DIR)
+                if os.path.isdir(blocks):
+                    _fsync_dir(blocks)
             os.replace(tmp, final)
         except OSError as e:  # a full disk, say: leave no partial file behind, name the file
             _remove_quietly(tmp)
@@ -162,10 +162,7 @@ class LocalStorage(Storage):
         except BaseException:
             _remove_quietly(tmp)
             raise
-        if rel == MANIFEST:  # the manifest makes blocks visible: their renames must be durable first
-            blocks = self._path(BLOCK_DIR)
-            if os.path.isdir(blocks):
-                _fsync_dir(blocks)
+        if rel == MANIFEST:
             _fsync_dir(self.root)
         return _digest(parts)
 
@@ -202,7 +199,6 @@ class RemoteStorage(Storage):
         self._connect()
 
     def _connect(self) -> None:
-        import fsspec
         self._fs, self.root = fsspec.core.url_to_fs(self.url, **self.storage_options)
         self._pid = os.getpid()
 
@@ -289,6 +285,10 @@ class Lock:
     def release(self) -> None:
         raise NotImplementedError
 
+    def is_held(self) -> bool:
+        """True when a builder holds this lock now (without taking it)."""
+        raise NotImplementedError
+
 
 class _FileLock(Lock):
     """flock on a local file: a crashed builder releases it by dying."""
@@ -309,6 +309,19 @@ class _FileLock(Lock):
         if self.fd is not None:
             os.close(self.fd)
             self.fd = None
+
+    def is_held(self) -> bool:
+        try:
+            fd = os.open(self.path, os.O_RDONLY | os.O_CLOEXEC | os.O_NONBLOCK)
+        except FileNotFoundError:
+            return False  # never built here by this version, or a read-only copy
+        try:
+            fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+            return False
+        except BlockingIOError:
+            return True
+        finally:
+            os.close(fd)
 
 
 class _LeaseLock(Lock):
@@ -382,6 +395,10 @@ class _LeaseLock(Lock):
         if age >= self.ttl / 2:
             raise RuntimeError(f"{self.storage.url}: this builder could not renew its lease for "
                                f"{age:.0f} s (last error: {self._error}); {stop}")
+
+    def is_held(self) -> bool:
+        held = self._current()
+        return bool(held) and held.get("expires", 0) > time.time()
 
     def release(self) -> None:
         self._stop.set()

@@ -1,0 +1,209 @@
+"""The files of one cache, opened safely: where they are, and each one checked against the manifest.
+
+A cache is read from its local directory, or from local copies of a remote cache's files
+(downloaded once per machine, verified by checksum). Every file is opened through
+format.CacheDir (regular files inside the cache directory only, sizes capped before reading),
+and a block's header, offsets and keys are checked against their manifest entry: O(1) per
+block, no checksums unless asked. Anything wrong is a CacheFormatError naming the file.
+:class:`torchcache.TokenCache` reads through this module, and so does :func:`torchcache.check_cache`.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import hashlib
+import json
+import os
+import time
+from typing import Any
+
+import numpy as np
+
+from . import format as fmt
+from .errors import CacheFormatError
+from .storage import TMP_MARK, RemoteStorage, is_remote, open_storage
+
+__all__ = ["CacheFiles", "check_block_file", "load_keys", "load_offsets", "locate_cache",
+           "max_file_sizes", "offsets_max_size"]
+
+
+class CacheFiles:
+    """Where a cache's files are read from: a local directory, or local copies of a remote cache.
+
+    >>> files, manifest = locate_cache("runs/quickstart/cache", None, None)  # doctest: +SKIP
+    >>> path, fd = files.open(manifest["blocks"][0]["path"], None, verify=False)  # doctest: +SKIP
+    """
+
+    def __init__(self, url: str, root: str, remote: RemoteStorage | None):
+        self.url, self.root, self.remote = url, root, remote
+        self.dir = fmt.CacheDir(root)
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {"url": self.url, "root": self.root, "remote": self.remote}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__init__(state["url"], state["root"], state["remote"])
+
+    def open(self, rel: str, checksum: str | None, verify: bool,
+             max_size: int | None = None) -> tuple[str, int]:
+        """(path, descriptor) of a regular file of the cache; remote files are copied here first
+        (verified by checksum). With `verify`, a local file's checksum is recomputed, unless it is
+        larger than `max_size` (refused before it is read: hashing gigabytes proves nothing)."""
+        if self.remote is not None:
+            path = self.dir.path(rel)
+            if not os.path.exists(path):
+                _download(self.remote, rel, path, checksum)
+        try:
+            path, fd = self.dir.open(rel)
+        except FileNotFoundError:
+            raise CacheFormatError(
+                f"{os.path.join(self.root, rel)}: file is missing; the cache is damaged: run "
+                f"`torchcache verify {self.url}` to list every bad file, then rebuild it") from None
+        if verify and checksum is not None:
+            try:
+                _check_size(fd, path, max_size)
+                _check_checksum(fd, path, checksum)
+            except BaseException:
+                os.close(fd)
+                raise
+        return path, fd
+
+
+def _check_size(fd: int, path: str, max_size: int | None) -> None:
+    size = os.fstat(fd).st_size
+    if max_size is not None and size > max_size:
+        raise CacheFormatError(f"{path}: {size:,} bytes, more than the {max_size:,} its manifest "
+                               "entry allows: the file is corrupted or replaced; repair it "
+                               "with `torchcache verify --repair`")
+
+
+def offsets_max_size(num_documents: int) -> int:
+    """The largest the offsets sidecar of a block of ``num_documents`` documents can be."""
+    return 8 + fmt.MAX_HEADER_BYTES + 8 * (num_documents + 1)
+
+
+def max_file_sizes(entry: dict[str, Any]) -> tuple[int, int, int]:
+    """The largest a block entry's block, offsets and keys files can be."""
+    return entry["size"], offsets_max_size(entry["num_documents"]), fmt.MAX_KEYS_BYTES
+
+
+def _check_checksum(fd: int, path: str, checksum: str) -> None:
+    if fmt.fd_checksum(fd) != checksum:
+        raise CacheFormatError(f"{path}: checksum mismatch (the file is corrupted); repair it "
+                               "with `torchcache verify --repair`")
+
+
+def locate_cache(url: str, storage_options: dict[str, Any] | None, local_dir: str | None,
+                 check_order: bool = True) -> tuple[CacheFiles, dict[str, Any]]:
+    """The files and the (validated) manifest of the cache at `url`.
+
+    A remote cache's files are copied on demand under ``local_dir`` (default
+    ``$TORCHCACHE_LOCAL_DIR`` or ``~/.cache/torchcache/remote``), in a folder named by its
+    fingerprint.
+    """
+    if not is_remote(url):
+        root = open_storage(url).url
+        return CacheFiles(root, root, None), fmt.read_manifest(root, check_order=check_order)
+    remote = RemoteStorage(url, storage_options or {})
+    manifest = fmt.read_manifest(remote, check_order=check_order)
+    base = local_dir or os.environ.get("TORCHCACHE_LOCAL_DIR") or os.path.join(
+        os.path.expanduser("~"), ".cache", "torchcache", "remote")
+    root = os.path.abspath(os.path.join(base, manifest["fingerprint"]))  # 32 hex digits: checked
+    return CacheFiles(remote.url, root, remote), manifest
+
+
+# ---------------------------------------------------------------- per-file checks (O(1) per block)
+
+def check_block_file(fd: int, path: str, dtype: np.dtype, num_tokens: int, size: int) -> int:
+    """Check an open block file against its manifest entry; the offset where its tokens start."""
+    file_size = os.fstat(fd).st_size
+    if file_size != size:
+        raise CacheFormatError(
+            f"{path}: file is {file_size} bytes, the manifest says {size}: the block is truncated "
+            "or replaced; run `torchcache verify`, which can repair it")
+    header = fmt.read_tensor_header(fd, path, "tokens", file_size)
+    if header.length != num_tokens or header.dtype != dtype:
+        raise CacheFormatError(
+            f"{path}: holds {header.length} {fmt.dtype_name(header.dtype)} tokens, the manifest says "
+            f"{num_tokens} {fmt.dtype_name(dtype)}; the block is corrupted or from another cache")
+    return header.data_start
+
+
+def load_offsets(fd: int, path: str, num_documents: int, num_tokens: int) -> np.ndarray:
+    """A block's document offsets, checked against its manifest entry before and after reading."""
+    header = fmt.read_tensor_header(fd, path, "offsets", os.fstat(fd).st_size)
+    if header.dtype != fmt.DTYPES["I64"] or header.length != num_documents + 1:
+        raise CacheFormatError(
+            f"{path}: holds {header.length} {fmt.dtype_name(header.dtype)} offsets, the manifest says "
+            f"{num_documents} documents ({num_documents + 1} I64 offsets): the sidecar or the manifest "
+            "is corrupted; run `torchcache verify`")
+    offsets = fmt.read_tensor_data(fd, path, header)
+    if offsets[0] != 0 or offsets[-1] != num_tokens:
+        raise CacheFormatError(
+            f"{path}: offsets run from {offsets[0]} to {offsets[-1]}, the block has {num_tokens} "
+            "tokens (corrupted); run `torchcache verify`")
+    if not (offsets[1:] >= offsets[:-1]).all():
+        first = int(np.argmax(offsets[1:] < offsets[:-1]))
+        raise CacheFormatError(f"{path}: offsets decrease after document {first} (corrupted); "
+                               "run `torchcache verify`")
+    return offsets
+
+
+def load_keys(fd: int, path: str, num_documents: int) -> list[str | None]:
+    """A block's document keys, checked against its manifest entry."""
+    size = os.fstat(fd).st_size
+    if size > fmt.MAX_KEYS_BYTES:
+        raise CacheFormatError(f"{path}: {size:,} bytes, more than the {fmt.MAX_KEYS_BYTES:,} "
+                               "allowed for a keys file (corrupted)")
+    try:
+        keys = json.loads(fmt.read_exact(fd, 0, size, path))
+    except (ValueError, RecursionError) as e:
+        raise CacheFormatError(f"{path}: unreadable keys file ({e}); run `torchcache verify`") from None
+    if (not isinstance(keys, list) or len(keys) != num_documents
+            or not all(k is None or isinstance(k, str) for k in keys)):
+        raise CacheFormatError(f"{path}: keys do not match the manifest (corrupted); "
+                               "run `torchcache verify`")
+    return keys
+
+
+# ---------------------------------------------------------------- remote copies
+
+def _download(storage: RemoteStorage, rel: str, path: str, checksum: str | None,
+              attempts: int = 3) -> None:
+    """Copy one remote file to `path`, verified by checksum, exactly once per machine.
+
+    An flock on a sibling lock file makes DataLoader workers and ranks that need the same file
+    wait for one download instead of repeating it; the copy is renamed into place only once
+    complete and verified, so nobody ever reads a partial one.
+    """
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    with open(path + ".lock", "a+b") as lock:
+        fcntl.flock(lock.fileno(), fcntl.LOCK_EX)
+        if os.path.exists(path):
+            return
+        problem = ""
+        for attempt in range(attempts):
+            try:
+                data = storage.read(rel)
+            except FileNotFoundError:
+                raise CacheFormatError(f"{storage.url}/{rel}: missing from the remote cache; "
+                                       "run `torchcache verify` on it") from None
+            except Exception as e:  # network trouble: try again, then report it
+                problem = f"{type(e).__name__}: {e}"
+                time.sleep(0.2 * (attempt + 1))
+                continue
+            actual = "sha256:" + hashlib.sha256(data).hexdigest()
+            if checksum is not None and actual != checksum:
+                problem = f"checksum mismatch (got {actual[:19]}..., manifest says {checksum[:19]}...)"
+                continue
+            tmp = f"{path}{TMP_MARK}{os.getpid()}"
+            with open(tmp, "wb") as f:
+                f.write(data)
+                f.flush()
+                os.fsync(f.fileno())
+            os.replace(tmp, path)
+            return
+        raise CacheFormatError(f"{storage.url}/{rel}: download failed {attempts} times "
+                               f"({problem}); the remote file is corrupted or unreachable")
+
+

@@ -1,0 +1,209 @@
+"""The build engine: turn `build_cache`'s arguments into a spec, open (or resume) the output
+under its lock, choose an executor, and report the result.
+
+A build is a pure function of (inputs, tokenizer, options): the spec records all of them, and
+a re-run with the same spec resumes from the manifest or, when complete, does nothing.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import numpy as np
+from tqdm.auto import tqdm
+
+from . import format as fmt
+from .commit import Committer, ManifestState, acquire_lock, open_existing
+from .errors import BuildError
+from .executors import run_inline, run_pool
+from .inputs import resolve_inputs
+from .ray_executor import run_ray
+from .records import ITERABLE_PATH
+from .storage import LocalStorage, Storage, open_storage
+from .tokenizing import (TokenizerLike, canonical_json, load_tokenizer, special_token_id,
+                         tokenizer_fingerprint)
+from .worker import BuildJob
+
+
+@dataclass
+class BuildResult:
+    """Summary of a finished (or already complete) build.
+
+    Example:
+        >>> result = tc.build_cache("data/*.jsonl", "caches/web", "tokenizer.json")
+        >>> result.num_tokens, result.num_blocks, result.skipped, result.tokens_per_second
+    """
+
+    path: str
+    num_tokens: int
+    num_documents: int
+    num_blocks: int
+    skipped: dict[str, int]
+    fingerprint: str
+    seconds: float
+    tokens_built: int = 0  # tokens tokenized by this call (0 for a no-op re-run)
+    already_complete: bool = False  # True when the cache was complete before this call
+
+    @property
+    def tokens_per_second(self) -> float:
+        return self.tokens_built / self.seconds if self.seconds > 0 else 0.0
+
+
+def default_workers() -> int:
+    """The CPUs this process may use: its affinity mask, capped by a cgroup CPU quota."""
+    try:
+        cpus = len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        cpus = os.cpu_count() or 1
+    try:
+        with open("/sys/fs/cgroup/cpu.max") as f:
+            quota, period = f.read().split()[:2]
+        if quota != "max":
+            cpus = min(cpus, max(1, int(int(quota) // int(period))))
+    except (OSError, ValueError):
+        pass  # no cgroup v2 quota here: the affinity mask is the limit
+    return max(1, cpus)
+
+
+def progress_enabled(progress: bool | None) -> bool:
+    """`progress` as given, or by default on unless the TQDM_DISABLE environment variable is set."""
+    if progress is not None:
+        return progress
+    return os.environ.get("TQDM_DISABLE", "").strip().lower() in ("", "0", "false", "no")
+
+
+def run_build(inputs: Any, output: str | os.PathLike, tokenizer: TokenizerLike | None, *,
+              text_key: str, block_tokens: int, num_workers: int | None, on_error: str, eos, bos,
+              special_tokens_as_text: bool, storage_options: dict[str, Any] | None,
+              vocab_size: int | None = None, executor: str = "local", progress: bool = False,
+              allow_empty: bool = False, report: Callable[[dict], None] | None = None,
+              should_stop: Callable[[], bool] | None = None) -> BuildResult:
+    """Build (or resume, or confirm) the cache; the arguments are `build_cache`'s, checked."""
+    started = time.perf_counter()
+    storage = open_storage(output, storage_options)
+    resolved = resolve_inputs(inputs, storage_options)
+    sources = resolved if isinstance(resolved, list) else None
+    if tokenizer is None:
+        tok = None
+        if sources is None or any(s.kind != "wds" for s in sources):
+            raise ValueError("tokenizer is required, except for pre-tokenized webdataset tars "
+                             "(see convert_webdataset)")
+        dtype = fmt.token_dtype(vocab_size) if vocab_size is not None else np.dtype("<u4")
+        tokenizer_spec = None
+        bos_id, eos_id = (_plain_token_id(x, name, vocab_size) for x, name in ((bos, "bos"), (eos, "eos")))
+    else:
+        if vocab_size is not None:
+            raise ValueError("vocab_size comes from the tokenizer; pass it only without one")
+        tok = load_tokenizer(tokenizer)
+        vocab_size = tok.get_vocab_size(with_added_tokens=True)
+        dtype = fmt.token_dtype(vocab_size)
+        tokenizer_spec = {"fingerprint": tokenizer_fingerprint(tok)}
+        bos_id, eos_id = special_token_id(tok, bos, "bos"), special_token_id(tok, eos, "eos")
+    spec = {
+        "tokenizer": tokenizer_spec,
+        "vocab_size": vocab_size,
+        "dtype": fmt.dtype_name(dtype),
+        "bos_id": bos_id,
+        "eos_id": eos_id,
+        "special_tokens_as_text": special_tokens_as_text,
+        "text_key": text_key,
+        "block_tokens": block_tokens,
+        "inputs": [s.spec() for s in sources] if sources else [{"path": ITERABLE_PATH, "size": None}],
+    }
+    _check_output_path(storage)
+    storage.makedirs()
+    lock = acquire_lock(storage)
+    try:
+        existing = open_existing(storage, spec)
+        state = ManifestState(storage, spec, existing, lock)
+        if existing is None:
+            state.save()  # the manifest first: a tokenizer.json without one is never ours
+        if tok is not None and not storage.exists(fmt.TOKENIZER_NAME):
+            storage.write(fmt.TOKENIZER_NAME, [tok.to_str().encode()])
+        if existing is not None and existing["complete"]:
+            return _result(storage, existing, started, 0, allow_empty, already_complete=True)
+        job = BuildJob(storage, None if tok is None else canonical_json(tok), bos_id, eos_id,
+                       str(dtype), text_key, block_tokens, on_error, special_tokens_as_text,
+                       dict(storage_options or {}), vocab_size)
+        todo = [i for i, p in enumerate(state.progress) if not p["done"]]
+        starts = {i: dict(state.progress[i]) for i in todo}
+        bar = _ProgressBar(spec["inputs"], state, enabled=progress)
+        committer = Committer(state, bar.update, report)
+        try:
+            workers = min(len(todo), default_workers() if num_workers is None else num_workers)
+            if executor == "ray":
+                built = run_ray(job, sources, todo, starts, committer, should_stop, num_workers)
+            elif sources is None or workers <= 1 or any(s.process_local for s in sources):
+                built = run_inline(job, sources or [resolved], todo, starts, committer, should_stop)
+            else:
+                built = run_pool(job, sources, todo, starts, committer, should_stop, workers)
+        finally:
+            bar.close()
+        return _result(storage, state.document(), started, built, allow_empty)
+    finally:
+        lock.release()
+
+
+def _check_output_path(storage: Storage) -> None:
+    """A local output must be a directory (or not exist yet)."""
+    root = getattr(storage, "root", None)
+    if isinstance(storage, LocalStorage) and os.path.exists(root) and not os.path.isdir(root):
+        raise BuildError(f"output {root!r} is a file, not a directory; give a new or empty "
+                         "directory for the cache")
+
+
+def _plain_token_id(token: Any, role: str, vocab_size: int | None) -> int | None:
+    """BOS/EOS for pre-tokenized data: an id or None (there is no tokenizer to look names up)."""
+    if token is None:
+        return None
+    if isinstance(token, bool) or not isinstance(token, (int, np.integer)):
+        raise ValueError(f"{role}={token!r}: without a tokenizer, give {role} as a token id or None")
+    if token < 0 or (vocab_size is not None and token >= vocab_size):
+        raise ValueError(f"{role}={token} is outside the vocabulary (size {vocab_size})")
+    return int(token)
+
+
+def _result(storage: Storage, manifest: dict, started: float, built: int, allow_empty: bool,
+            already_complete: bool = False) -> BuildResult:
+    if manifest["complete"] and not manifest["num_documents"] and not allow_empty:
+        skipped = ", ".join(f"{v} {k}" for k, v in sorted(manifest["skipped"].items()))
+        why = f"every record was skipped ({skipped})" if skipped else "the inputs hold no document"
+        raise BuildError(f"{storage.url}: the build produced an empty cache: {why}. Check the "
+                         "inputs and text_key (or pass allow_empty=True to accept an empty cache)")
+    return BuildResult(storage.url, manifest["num_tokens"], manifest["num_documents"],
+                       len(manifest["blocks"]), dict(manifest["skipped"]), manifest["fingerprint"],
+                       time.perf_counter() - started, built, already_complete)
+
+
+class _ProgressBar:
+    """tqdm over input bytes, with tokens/s; a no-op when disabled."""
+
+    def __init__(self, inputs: list[dict], state: ManifestState, enabled: bool):
+        self.bar = None
+        self.positions: dict[int, int] = {}
+        self.tokens = 0
+        self.started = time.perf_counter()
+        if not enabled:
+            return
+        total = sum(i["size"] or 0 for i in inputs) or None
+        done = sum(i["size"] or 0 for i, p in zip(inputs, state.progress) if p["done"])
+        # disable=False: progress_enabled() has heard TQDM_DISABLE, and progress=True wins over it
+        self.bar = tqdm(total=total, initial=done, unit="B", unit_scale=True, desc="tokenizing",
+                        dynamic_ncols=True, disable=False)
+
+    def update(self, index: int, position: int, tokens: int) -> None:
+        self.tokens += tokens
+        if self.bar is None:
+            return
+        delta = position - self.positions.get(index, 0)
+        self.positions[index] = position
+        elapsed = max(time.perf_counter() - self.started, 1e-9)
+        self.bar.set_postfix_str(f"{self.tokens / elapsed / 1e6:.2f}M tok/s", refresh=False)
+        self.bar.update(max(delta, 0))
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.close()
