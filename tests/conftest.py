@@ -79,3 +79,17 @@ def build_killed_at_commit(inputs: list[str], out, tokenizer: str, commits: int,
     env = dict(os.environ, TORCHCACHE_TEST_KILL_AFTER_COMMITS=str(commits))
     return subprocess.run([sys.executable, "-c", script, json.dumps(inputs), str(out), tokenizer],
                           env=env, timeout=300).returncode
+
+
+def as_format_v1(root) -> None:
+    """Rewrite a cache in format v1 (everything in one manifest.json), as torchcache before
+    format v2 built it: the new code must keep reading such caches."""
+    import shutil
+
+    from torchcache.ledger import read_manifest
+    manifest = read_manifest(str(root))
+    manifest["version"] = 1
+    Path(root, "manifest.json").write_text(json.dumps(manifest, indent=1, sort_keys=True) + "\n")
+    Path(root, "head.json").unlink()
+    for folder in ("index", "log"):
+        shutil.rmtree(Path(root, folder), ignore_errors=True)

@@ -12,7 +12,7 @@ import pytest
 from conftest import paragraphs, tree_bytes, write_jsonl
 
 import torchcache as tc
-from torchcache.format import read_manifest
+from torchcache.ledger import read_manifest
 
 
 def test_round_trip_decodes_every_document(tmp_path, books, gpt2_tokenizer_path, gpt2):
@@ -40,7 +40,7 @@ def test_one_and_two_workers_give_identical_bytes(tmp_path, shards, gpt2_tokeniz
                          num_workers=2, progress=False)
     a, b = tree_bytes(one.path), tree_bytes(two.path)
     assert a == b
-    manifest = json.loads(a["manifest.json"])
+    manifest = read_manifest(one.path)
     assert manifest["complete"] and not manifest["pending"]
     order = [(e["input"], e["index"]) for e in manifest["blocks"]]
     per_input = [sum(1 for e in order if e[0] == i) for i in range(3)]

@@ -17,7 +17,7 @@ from tokenizers import Tokenizer
 from conftest import build_killed_at_commit, paragraphs, tree_bytes, write_jsonl
 
 import torchcache as tc
-from torchcache.format import MANIFEST_NAME
+from torchcache.ledger import read_manifest
 from torchcache.storage import RemoteStorage
 
 BLOCK = 2_000
@@ -37,8 +37,7 @@ def _killed_build(shards, out, tokenizer, commits: int, workers: int = 1) -> Non
 
 
 def _manifest(out) -> dict:
-    with open(os.path.join(out, MANIFEST_NAME)) as f:
-        return json.load(f)
+    return read_manifest(str(out))
 
 
 # ---------------------------------------------------------------- 1. user files are never deleted

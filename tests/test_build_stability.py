@@ -15,6 +15,7 @@ import pytest
 
 import torchcache as tc
 from conftest import DATA
+from torchcache.ledger import read_manifest
 
 PINNED = {
     "workers2": ("148c15ea00faff92740b4ea166a69883520c44668675a6ae11ad8e12b7991769",
@@ -31,8 +32,9 @@ def _block_files_digest(cache: Path) -> str:
 
 
 def _block_entries_digest(cache: Path) -> str:
-    """The manifest's block list (input paths, which differ per machine, are not in it)."""
-    blocks = json.loads((cache / "manifest.json").read_text())["blocks"]
+    """The block list (input paths, which differ per machine, are not in it), as v1 manifests
+    held it: the same in format v2 (where the index holds it)."""
+    blocks = read_manifest(str(cache))["blocks"]
     return hashlib.sha256(json.dumps(blocks, sort_keys=True).encode()).hexdigest()
 
 

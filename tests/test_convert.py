@@ -15,7 +15,7 @@ import webdataset as wds
 from conftest import DATA, paragraphs, tree_bytes
 
 import torchcache as tc
-from torchcache.format import MANIFEST_NAME
+from torchcache.ledger import read_manifest
 
 
 def write_shards(directory: Path, samples: list[dict], per_shard: int, suffix: str = ".tar") -> list[str]:
@@ -158,7 +158,7 @@ def test_kill_9_during_conversion_then_resume_gives_the_same_cache(tmp_path, boo
         proc = subprocess.run([sys.executable, "-c", script, json.dumps(shards), out,
                                gpt2_tokenizer_path], env=env, timeout=300)
         assert proc.returncode == -signal.SIGKILL, "the conversion ended before its kill point"
-        m = json.loads((Path(out) / MANIFEST_NAME).read_text())
+        m = read_manifest(str(out))
         assert not m["complete"] and len(m["blocks"]) + len(m["pending"]) > count
         count = len(m["blocks"]) + len(m["pending"])
     result = tc.convert_webdataset(shards, out, tokenizer=gpt2_tokenizer_path, block_tokens=1500,
@@ -210,7 +210,7 @@ def test_parquet_bad_row_then_resume_with_skip(tmp_path, texts, gpt2_tokenizer_p
     with pytest.raises(tc.InputError, match=r"t.parquet:61: row 61: column 'content' is NoneType"):
         tc.build_cache(path, out, gpt2_tokenizer_path, text_key="content", block_tokens=600,
                        progress=False)
-    assert json.loads((out / MANIFEST_NAME).read_text())["blocks"], "blocks before the bad row are kept"
+    assert read_manifest(str(out))["blocks"], "blocks before the bad row are kept"
     tc.build_cache(path, out, gpt2_tokenizer_path, text_key="content", block_tokens=600,
                    on_error="skip", progress=False)
     fresh = tc.build_cache(path, tmp_path / "fresh", gpt2_tokenizer_path, text_key="content",

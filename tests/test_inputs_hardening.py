@@ -24,7 +24,7 @@ from fsspec.utils import stringify_path
 
 import torchcache as tc
 import torchcache.inputs as inputs_module
-from torchcache.format import MANIFEST_NAME
+from torchcache.ledger import read_manifest
 from torchcache.errors import InputChangedError, InputError
 from torchcache.inputs import iter_records, iter_strings, resolve_inputs
 
@@ -267,7 +267,7 @@ def test_a_persistent_error_raises_oserror_and_marks_nothing_done(tmp_path, book
         assert message.startswith(f"{urls[1]}: reading failed 3 times (ConnectionResetError: ")
         assert " at record " in message and "re-run the build to resume" in message
         assert flaky.opened.count("b.jsonl") == 3
-        manifest = json.loads((out / MANIFEST_NAME).read_text())
+        manifest = read_manifest(str(out))
         assert [i["done"] for i in manifest["inputs"]] == [True, False]
         assert not manifest["complete"] and manifest["skipped"] == {}
     del flaky.broken_from["b.jsonl"]
@@ -381,7 +381,7 @@ def test_a_tar_cut_anywhere_is_truncated(tmp_path, texts, gpt2_tokenizer_path):
     tc.convert_webdataset(paths, tmp_path / "skip", tokenizer=gpt2_tokenizer_path, on_error="skip",
                           progress=False)
     cache = tc.TokenCache(tmp_path / "skip")
-    manifest = json.loads((tmp_path / "skip" / MANIFEST_NAME).read_text())
+    manifest = read_manifest(str(tmp_path / "skip"))
     assert [i["skipped"] for i in manifest["inputs"]] == [{"unreadable": 1}] * len(cuts)
     docs = iter(_docs(cache))
     for block in manifest["blocks"]:  # one block per shard, in shard order

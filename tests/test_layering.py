@@ -19,7 +19,7 @@ LAYERS = [
     ["errors"],
     ["storage", "tokenizing", "_permutation", "_args", "_procs", "_lru"],
     ["format", "_state"],
-    ["records", "cache_files"],
+    ["records", "cache_files", "ledger"],
     ["wds", "read", "verify"],
     ["inputs", "dataset", "schedule", "collate"],
     ["worker", "sample", "mix"],

@@ -9,10 +9,11 @@ import sys
 
 import numpy as np
 import pytest
-from conftest import paragraphs, write_jsonl
+from conftest import as_format_v1, paragraphs, write_jsonl
 
 import torchcache as tc
 from torchcache.format import MANIFEST_NAME
+from torchcache.ledger import read_manifest
 
 
 @pytest.fixture()
@@ -62,7 +63,7 @@ def _flip_byte(path, offset_from_end=10):
 
 def test_corrupted_block_is_reported_by_verify_and_reader(cache_dir):
     root, _ = cache_dir
-    manifest = json.loads((root / MANIFEST_NAME).read_text())
+    manifest = read_manifest(str(root))
     bad = root / manifest["blocks"][3]["path"]
     assert tc.verify_cache(root) == []
     _flip_byte(bad)
@@ -77,7 +78,7 @@ def test_corrupted_block_is_reported_by_verify_and_reader(cache_dir):
 
 def test_truncated_block_is_reported_by_reader_and_verify(cache_dir):
     root, _ = cache_dir
-    manifest = json.loads((root / MANIFEST_NAME).read_text())
+    manifest = read_manifest(str(root))
     bad = root / manifest["blocks"][2]["path"]
     bad.write_bytes(bad.read_bytes()[:-100])
     cache = tc.TokenCache(root)
@@ -92,7 +93,9 @@ def test_truncated_block_is_reported_by_reader_and_verify(cache_dir):
 
 
 def test_manifest_paths_outside_the_cache_are_refused(cache_dir):
+    """(A v1 manifest names its files; v2 derives every name from input and block numbers.)"""
     root, _ = cache_dir
+    as_format_v1(root)
     manifest = json.loads((root / MANIFEST_NAME).read_text())
     for evil in ("../outside.safetensors", "/etc/passwd", "blocks/../../x", "s3://bucket/x"):
         manifest["blocks"][0]["path"] = evil
@@ -103,7 +106,7 @@ def test_manifest_paths_outside_the_cache_are_refused(cache_dir):
 
 def test_unknown_format_version_is_refused(cache_dir):
     root, _ = cache_dir
-    manifest = json.loads((root / MANIFEST_NAME).read_text())
+    manifest = read_manifest(str(root))
     manifest["version"] = 99
     (root / MANIFEST_NAME).write_text(json.dumps(manifest))
     with pytest.raises(tc.CacheFormatError, match="version 99"):
@@ -116,7 +119,7 @@ def test_block_files_are_standard_safetensors(cache_dir):
     from safetensors.numpy import load_file
     root, _ = cache_dir
     cache = tc.TokenCache(root)
-    manifest = json.loads((root / MANIFEST_NAME).read_text())
+    manifest = read_manifest(str(root))
     entry = manifest["blocks"][1]
     tokens = load_file(str(root / entry["path"]))["tokens"]
     offsets = load_file(str(root / entry["offsets"]))["offsets"]

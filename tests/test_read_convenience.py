@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import os
 import time
 from pathlib import Path
@@ -11,7 +10,7 @@ import numpy as np
 import pytest
 
 import torchcache as tc
-from torchcache.format import MANIFEST_NAME
+from torchcache.ledger import read_manifest
 
 DATA = Path(__file__).parent / "data"
 
@@ -39,7 +38,7 @@ def test_document_keys_are_read_once_per_block(keyed_cache):
     cache = tc.TokenCache(keyed_cache)
     keys = [cache.document_key(i) for i in range(cache.num_documents)]
     assert keys[:3] == [f"compressed/000{i}" for i in (1, 2, 3)]
-    manifest = json.loads((keyed_cache / MANIFEST_NAME).read_text())
+    manifest = read_manifest(str(keyed_cache))
     for entry in manifest["blocks"]:  # the keys files are gone: only what was read remains
         os.remove(keyed_cache / entry["keys"])
     assert [cache.document_key(i) for i in range(cache.num_documents)] == keys

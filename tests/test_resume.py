@@ -14,7 +14,8 @@ import pytest
 from conftest import build_killed_at_commit, paragraphs, tree_bytes, write_jsonl
 
 import torchcache as tc
-from torchcache.format import MANIFEST_NAME, file_checksum
+from torchcache.format import file_checksum
+from torchcache.ledger import read_manifest
 
 BLOCK = 2_000
 
@@ -30,8 +31,7 @@ def big_shards(tmp_path, books):
 
 def _committed(root: str) -> list[dict]:
     try:
-        with open(os.path.join(root, MANIFEST_NAME)) as f:
-            manifest = json.load(f)
+        manifest = read_manifest(root)
     except (FileNotFoundError, ValueError):
         return []
     return manifest["blocks"] + manifest["pending"]
@@ -89,7 +89,7 @@ def test_reader_during_background_build_sees_only_complete_blocks(tmp_path, big_
     out = tmp_path / "growing"
     handle = tc.build_cache(big_shards, out, gpt2_tokenizer_path, block_tokens=BLOCK,
                             num_workers=2, background=True)
-    while not (out / MANIFEST_NAME).exists():
+    while not (out / "manifest.json").exists():
         assert not handle.done, handle.error
         time.sleep(0.01)
     cache = tc.TokenCache(out)
@@ -100,7 +100,7 @@ def test_reader_during_background_build_sees_only_complete_blocks(tmp_path, big_
         cache.refresh()
         seen.append((cache.num_blocks, cache.num_tokens, cache.complete,
                      _stream_hash(cache, cache.num_tokens)))
-        manifest = json.loads((out / MANIFEST_NAME).read_text())
+        manifest = read_manifest(str(out))
         for entry in manifest["blocks"] + manifest["pending"]:  # every listed file is complete
             assert file_checksum(str(out / entry["path"])) == entry["checksum"]
             assert file_checksum(str(out / entry["offsets"])) == entry["offsets_checksum"]
@@ -116,7 +116,7 @@ def test_reader_during_background_build_sees_only_complete_blocks(tmp_path, big_
     assert tree_bytes(str(out)) == tree_bytes(ref.path)
 
     final = tc.TokenCache(ref.path)
-    final_blocks = json.loads((out / MANIFEST_NAME).read_text())["blocks"]
+    final_blocks = read_manifest(str(out))["blocks"]
     assert seen[-1] == (final.num_blocks, final.num_tokens, True,
                         _stream_hash(final, final.num_tokens))
     for (blocks, tokens, complete, digest), earlier in zip(seen, [(0, 0)] + seen):
@@ -230,7 +230,7 @@ def test_skip_mode_counts_bad_records_in_the_manifest(tmp_path, books, gpt2_toke
     cache = tc.TokenCache(tmp_path / "c")
     assert cache.skipped == {"malformed_json": 1, "missing_text": 1, "invalid_utf8": 1,
                              "unreadable": 2, "empty": 1}
-    manifest = json.loads((tmp_path / "c" / MANIFEST_NAME).read_text())
+    manifest = read_manifest(str(tmp_path / "c"))
     by_name = {os.path.basename(i["path"]): i["skipped"] for i in manifest["inputs"]}
     assert by_name["malformed.jsonl"] == {"malformed_json": 1}
     # a truncated file keeps at most the records decoded before the damage (a prefix)

@@ -21,7 +21,7 @@ import numpy as np
 
 from . import format as fmt
 from .errors import CacheFormatError
-from .storage import TMP_MARK, RemoteStorage, is_remote, open_storage
+from .storage import TMP_MARK, LocalStorage, RemoteStorage, Storage, is_remote, open_storage
 
 __all__ = ["CacheFiles", "check_block_file", "load_keys", "load_offsets", "locate_cache",
            "max_file_sizes", "offsets_max_size"]
@@ -30,13 +30,15 @@ __all__ = ["CacheFiles", "check_block_file", "load_keys", "load_offsets", "locat
 class CacheFiles:
     """Where a cache's files are read from: a local directory, or local copies of a remote cache.
 
-    >>> files, manifest = locate_cache("runs/quickstart/cache", None, None)  # doctest: +SKIP
-    >>> path, fd = files.open(manifest["blocks"][0]["path"], None, verify=False)  # doctest: +SKIP
+    >>> files = locate_cache("runs/quickstart/cache", None, None)  # doctest: +SKIP
+    >>> path, fd = files.open("blocks/000000-000000.safetensors", None, verify=False)  # doctest: +SKIP
     """
 
     def __init__(self, url: str, root: str, remote: RemoteStorage | None):
         self.url, self.root, self.remote = url, root, remote
         self.dir = fmt.CacheDir(root)
+        # where the manifest and commits are read: the remote cache itself, or the directory
+        self.metadata: Storage = remote if remote is not None else LocalStorage(root)
 
     def __getstate__(self) -> dict[str, Any]:
         return {"url": self.url, "root": self.root, "remote": self.remote}
@@ -93,23 +95,27 @@ def _check_checksum(fd: int, path: str, checksum: str) -> None:
                                "with `torchcache verify --repair`")
 
 
-def locate_cache(url: str, storage_options: dict[str, Any] | None, local_dir: str | None,
-                 check_order: bool = True) -> tuple[CacheFiles, dict[str, Any]]:
-    """The files and the (validated) manifest of the cache at `url`.
+def locate_cache(url: str, storage_options: dict[str, Any] | None,
+                 local_dir: str | None) -> CacheFiles:
+    """The files of the cache at `url` (its manifest and commits are read through
+    ``files.metadata``, see `ledger`).
 
-    A remote cache's files are copied on demand under ``local_dir`` (default
+    A remote cache's block files are copied on demand under ``local_dir`` (default
     ``$TORCHCACHE_LOCAL_DIR`` or ``~/.cache/torchcache/remote``), in a folder named by its
     fingerprint.
     """
     if not is_remote(url):
         root = open_storage(url).url
-        return CacheFiles(root, root, None), fmt.read_manifest(root, check_order=check_order)
+        return CacheFiles(root, root, None)
     remote = RemoteStorage(url, storage_options or {})
-    manifest = fmt.read_manifest(remote, check_order=check_order)
+    manifest, _, path = fmt.load_manifest(remote)
+    fingerprint = manifest.get("fingerprint")
+    if not isinstance(fingerprint, str) or not fmt.is_fingerprint(fingerprint):
+        raise CacheFormatError(f"{path}: fingerprint {fingerprint!r} is malformed; the manifest is "
+                               "corrupted")
     base = local_dir or os.environ.get("TORCHCACHE_LOCAL_DIR") or os.path.join(
         os.path.expanduser("~"), ".cache", "torchcache", "remote")
-    root = os.path.abspath(os.path.join(base, manifest["fingerprint"]))  # 32 hex digits: checked
-    return CacheFiles(remote.url, root, remote), manifest
+    return CacheFiles(remote.url, os.path.abspath(os.path.join(base, fingerprint)), remote)
 
 
 # ---------------------------------------------------------------- per-file checks (O(1) per block)

@@ -15,6 +15,7 @@ import signal
 from typing import Any, Callable, Iterable
 
 from . import format as fmt
+from . import ledger
 from .errors import BuildError, InputError
 from .storage import TMP_MARK, Lock, Storage
 from .worker import BlockWritten, Event, InputDone, Progress, WorkerFailed
@@ -27,78 +28,136 @@ _KILL_AFTER_COMMITS = int(os.environ.get("TORCHCACHE_TEST_KILL_AFTER_COMMITS", "
 # know them (left by a crash). Anything else in the output belongs to the user.
 _OWN_BLOCK_FILE = re.compile(r"\d{6}-\d{6}(\.offsets\.safetensors|\.keys\.json|\.safetensors)"
                              rf"({re.escape(TMP_MARK)}\d+)?")
-_OWN_TOP_TMP = re.compile(rf"(manifest|tokenizer)\.json{re.escape(TMP_MARK)}\d+")
+_OWN_TOP_TMP = re.compile(rf"(manifest|tokenizer|head)\.json{re.escape(TMP_MARK)}\d+")
+_OWN_CHUNK = re.compile(r"\d{6}\.(bin|jsonl)")
+
+
+class _StreamCursor:
+    """Where the round-robin stream (`format.stream_order`) stands, advanced as blocks finish:
+    O(new blocks + inputs that drop out) per call, not O(all blocks)."""
+
+    def __init__(self, n_inputs: int):
+        self.active, self.next_active = list(range(n_inputs)), []
+        self.pos = self.round = 0
+        self.complete = False
+
+    def advance(self, count: Callable[[int], int], done: Callable[[int], bool]) -> list[tuple[int, int]]:
+        """The (input, block) pairs that join the stream now."""
+        joined: list[tuple[int, int]] = []
+        while self.active:
+            while self.pos < len(self.active):
+                i = self.active[self.pos]
+                if self.round < count(i):
+                    joined.append((i, self.round))
+                    self.next_active.append(i)
+                elif not done(i):
+                    return joined  # the stream waits for input i's next block
+                self.pos += 1
+            self.active, self.next_active = self.next_active, []
+            self.pos, self.round = 0, self.round + 1
+        self.complete = True
+        return joined
 
 
 class ManifestState:
-    """The coordinator's view of the manifest; `save()` writes it atomically."""
+    """The coordinator's view of the build record; `save()` commits what changed since the last
+    save (format v2: appends to the commit log and the block index, then replaces head.json)."""
 
     def __init__(self, storage: Storage, spec: dict[str, Any], existing: dict[str, Any] | None,
                  lock: Lock | None = None):
         self.storage, self.spec, self.lock = storage, spec, lock
         self.saves = 0
+        self.fingerprint = fmt.spec_fingerprint(spec)
         n = len(spec["inputs"])
         self.finished: list[list[dict]] = [[] for _ in range(n)]
         self.progress: list[dict] = [{"records": 0, "skipped": {}, "blocks": 0, "done": False}
                                      for _ in range(n)]
+        self.skipped: dict[str, int] = {}
+        self.inputs_done = 0
         if existing:
             for entry in existing["blocks"] + existing.get("pending", []):
                 self.finished[entry["input"]].append(entry)
             for i, p in enumerate(existing["inputs"]):
-                self.progress[i] = {k: p[k] for k in ("records", "skipped", "blocks", "done")}
+                self._set_progress(i, {k: p[k] for k in ("records", "skipped", "blocks", "done")})
                 if p.get("digest") is not None:
                     self.progress[i]["digest"] = p["digest"]
             for blocks in self.finished:
                 blocks.sort(key=lambda e: e["index"])
+        self._cursor = _StreamCursor(n)
+        visible = self._join_stream()
+        self.num_blocks = len(visible)
+        self.num_tokens = sum(e["num_tokens"] for e in visible)
+        self.num_documents = sum(e["num_documents"] for e in visible)
+        head = ledger.empty_head(self.fingerprint) if not existing else ledger.read_head(
+            storage, self.fingerprint)
+        self.records = head["records"]
+        self._unsaved: list[dict[str, Any]] = []  # commit log records since the last save
+        self._writer = ledger.LedgerWriter(storage, head)
+
+    def _set_progress(self, index: int, progress: dict) -> None:
+        self.inputs_done += bool(progress.get("done")) - self.progress[index]["done"]
+        for reason, count in self.progress[index]["skipped"].items():
+            self.skipped[reason] -= count
+        self.progress[index].update(progress)
+        for reason, count in self.progress[index]["skipped"].items():
+            self.skipped[reason] = self.skipped.get(reason, 0) + count
+
+    def _join_stream(self) -> list[dict]:
+        joined = self._cursor.advance(lambda i: len(self.finished[i]),
+                                      lambda i: self.progress[i]["done"])
+        return [self.finished[i][r] for i, r in joined]
+
+    @property
+    def complete(self) -> bool:
+        return self._cursor.complete
 
     def add_block(self, index: int, entry: dict, progress: dict) -> None:
         if entry["index"] < len(self.finished[index]):
             return  # reported again by a retried task: the same block, already recorded
         self.finished[index].append(entry)
-        self.progress[index].update(progress)
+        self._set_progress(index, progress)
+        self._unsaved.append({"input": index, "entry": entry, "progress": progress})
 
     def finish_input(self, index: int, progress: dict) -> None:
-        self.progress[index].update(progress, done=True)
+        self._set_progress(index, dict(progress, done=True))
+        self._unsaved.append({"input": index, "done": True, "progress": progress})
 
-    def stream(self) -> tuple[list[dict], list[dict], bool]:
-        """The committed stream (round-robin prefix), the pending rest, and completeness."""
-        order, complete = fmt.stream_order([len(blocks) for blocks in self.finished],
-                                           [p["done"] for p in self.progress])
-        visible = [self.finished[i][r] for i, r in order]
-        taken = {id(e) for e in visible}
-        pending = [e for blocks in self.finished for e in blocks if id(e) not in taken]
-        return visible, pending, complete
-
-    def document(self) -> dict[str, Any]:
-        visible, pending, complete = self.stream()
-        skipped: dict[str, int] = {}
-        for p in self.progress:
-            for k, v in p["skipped"].items():
-                skipped[k] = skipped.get(k, 0) + v
-        return {
-            "format": fmt.FORMAT_NAME, "version": fmt.FORMAT_VERSION, "spec": self.spec,
-            "fingerprint": fmt.spec_fingerprint(self.spec),
-            "blocks": visible, "pending": pending, "complete": complete,
-            "num_tokens": sum(e["num_tokens"] for e in visible),
-            "num_documents": sum(e["num_documents"] for e in visible),
-            "inputs": [dict(spec_input, **progress)
-                       for spec_input, progress in zip(self.spec["inputs"], self.progress)],
-            "skipped": skipped,
-        }
+    def summary(self) -> dict[str, Any]:
+        """What the last save committed: counts, completeness, skips, fingerprint."""
+        return {"num_blocks": self.num_blocks, "num_tokens": self.num_tokens,
+                "num_documents": self.num_documents, "complete": self.complete,
+                "skipped": {k: v for k, v in self.skipped.items() if v},
+                "fingerprint": self.fingerprint,
+                "inputs_done": self.inputs_done, "inputs": len(self.progress)}
 
     def save(self) -> dict[str, Any]:
-        """Write the manifest atomically, unless this builder may have lost its lock."""
+        """Commit, unless this builder may have lost its lock; O(what changed), not O(cache)."""
         if self.lock is not None:
             try:
                 self.lock.check()
             except RuntimeError as e:
                 raise BuildError(str(e)) from None
-        doc = self.document()
-        self.storage.write_json(fmt.MANIFEST_NAME, doc)
+        visible = self._join_stream()
+        self.num_blocks += len(visible)
+        self.num_tokens += sum(e["num_tokens"] for e in visible)
+        self.num_documents += sum(e["num_documents"] for e in visible)
+        summary = self.summary()
+        head = dict(ledger.empty_head(self.fingerprint), blocks=self.num_blocks,
+                    num_tokens=self.num_tokens, num_documents=self.num_documents,
+                    complete=self.complete, skipped=summary["skipped"])
+        if self.complete:  # the last commit: the head keeps each input's final progress instead
+            head.update(records=0, inputs=[{k: p[k] for k in ledger.PROGRESS_FIELDS if k in p}
+                                           for p in self.progress])
+            self._writer.finish(visible, head)
+        else:
+            self.records += len(self._unsaved)
+            head.update(records=self.records)
+            self._writer.commit(self._unsaved, visible, head)
+        self._unsaved = []
         self.saves += 1
         if self.saves == _KILL_AFTER_COMMITS:  # fault injection for crash tests: kill -9 right here
             os.kill(os.getpid(), signal.SIGKILL)
-        return doc
+        return summary
 
 
 class Committer:
@@ -144,12 +203,13 @@ class Committer:
         raise TypeError(f"unknown build event {event!r}")
 
     def _save(self) -> None:
-        doc = self.state.save()
+        summary = self.state.save()
         if self.report:
-            progress = self.state.progress
-            self.report({"committed_blocks": len(doc["blocks"]), "committed_tokens": doc["num_tokens"],
-                         "committed_documents": doc["num_documents"], "complete": doc["complete"],
-                         "inputs_done": sum(p["done"] for p in progress), "inputs": len(progress)})
+            self.report({"committed_blocks": summary["num_blocks"],
+                         "committed_tokens": summary["num_tokens"],
+                         "committed_documents": summary["num_documents"],
+                         "complete": summary["complete"], "inputs_done": summary["inputs_done"],
+                         "inputs": summary["inputs"]})
 
 
 # ---------------------------------------------------------------- the output directory
@@ -179,6 +239,8 @@ def clean_leftovers(storage: Storage, manifest: dict[str, Any] | None) -> None:
         rel = f"{fmt.BLOCK_DIR}/{name}"
         if _OWN_BLOCK_FILE.fullmatch(name) and rel not in known:
             storage.delete(rel)
+    if manifest and manifest["complete"] and manifest.get("version") == 2:
+        ledger.delete_log(storage)  # left by a crash right after the last commit
 
 
 def check_new_output(storage: Storage) -> None:
@@ -201,7 +263,10 @@ def open_existing(storage: Storage, spec: dict[str, Any]) -> dict[str, Any] | No
     """
     existing = None
     if storage.exists(fmt.MANIFEST_NAME):
-        existing = fmt.read_manifest(storage)
+        existing = ledger.read_manifest(storage)
+        if existing["version"] == 1 and not existing["complete"] and existing["spec"] == spec:
+            ledger.upgrade(storage)  # resume in format v2 (crash-safe; a complete v1 cache is kept)
+            existing = ledger.read_manifest(storage)
         if existing["spec"] != spec and _nothing_committed(existing):
             _start_over(storage)  # a failed first build: start again, new settings
             existing = None
@@ -228,4 +293,9 @@ def _start_over(storage: Storage) -> None:
     """Remove a cache that committed nothing (a first build that failed), manifest last."""
     clean_leftovers(storage, None)
     storage.delete(fmt.TOKENIZER_NAME)
+    storage.delete(ledger.HEAD_NAME)
+    for folder in (ledger.INDEX_DIR, ledger.LOG_DIR):
+        for name in storage.listdir(folder):
+            if _OWN_CHUNK.fullmatch(name):
+                storage.delete(f"{folder}/{name}")
     storage.delete(fmt.MANIFEST_NAME)

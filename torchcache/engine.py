@@ -20,6 +20,7 @@ from .commit import Committer, ManifestState, acquire_lock, open_existing
 from .errors import BuildError
 from .executors import run_inline, run_pool
 from .inputs import resolve_inputs
+from .ledger import write_header
 from .ray_executor import run_ray
 from .records import ITERABLE_PATH
 from .storage import LocalStorage, Storage, open_storage
@@ -118,13 +119,18 @@ def run_build(inputs: Any, output: str | os.PathLike, tokenizer: TokenizerLike |
     lock = acquire_lock(storage)
     try:
         existing = open_existing(storage, spec)
+        if existing is not None and existing["complete"]:
+            if tok is not None and not storage.exists(fmt.TOKENIZER_NAME):
+                storage.write(fmt.TOKENIZER_NAME, [tok.to_str().encode()])
+            return _result(storage, _summary(existing), started, 0, allow_empty,
+                           already_complete=True)
+        if existing is None:
+            write_header(storage, spec)  # the manifest first: a tokenizer.json without one is never ours
         state = ManifestState(storage, spec, existing, lock)
         if existing is None:
-            state.save()  # the manifest first: a tokenizer.json without one is never ours
+            state.save()  # an empty first commit
         if tok is not None and not storage.exists(fmt.TOKENIZER_NAME):
             storage.write(fmt.TOKENIZER_NAME, [tok.to_str().encode()])
-        if existing is not None and existing["complete"]:
-            return _result(storage, existing, started, 0, allow_empty, already_complete=True)
         job = BuildJob(storage, None if tok is None else canonical_json(tok), bos_id, eos_id,
                        str(dtype), text_key, block_tokens, on_error, special_tokens_as_text,
                        dict(storage_options or {}), vocab_size)
@@ -142,7 +148,7 @@ def run_build(inputs: Any, output: str | os.PathLike, tokenizer: TokenizerLike |
                 built = run_pool(job, sources, todo, starts, committer, should_stop, workers)
         finally:
             bar.close()
-        return _result(storage, state.document(), started, built, allow_empty)
+        return _result(storage, state.summary(), started, built, allow_empty)
     finally:
         lock.release()
 
@@ -166,15 +172,23 @@ def _plain_token_id(token: Any, role: str, vocab_size: int | None) -> int | None
     return int(token)
 
 
-def _result(storage: Storage, manifest: dict, started: float, built: int, allow_empty: bool,
-            already_complete: bool = False) -> BuildResult:
-    if manifest["complete"] and not manifest["num_documents"] and not allow_empty:
-        skipped = ", ".join(f"{v} {k}" for k, v in sorted(manifest["skipped"].items()))
+def _summary(manifest: dict[str, Any]) -> dict[str, Any]:
+    """A (v1-shaped) manifest's counts, as ManifestState.summary() gives them."""
+    return {"num_blocks": len(manifest["blocks"]), "complete": manifest["complete"],
+            "num_tokens": sum(e["num_tokens"] for e in manifest["blocks"]),
+            "num_documents": sum(e["num_documents"] for e in manifest["blocks"]),
+            "skipped": dict(manifest.get("skipped", {})), "fingerprint": manifest["fingerprint"]}
+
+
+def _result(storage: Storage, summary: dict[str, Any], started: float, built: int,
+            allow_empty: bool, already_complete: bool = False) -> BuildResult:
+    if summary["complete"] and not summary["num_documents"] and not allow_empty:
+        skipped = ", ".join(f"{v} {k}" for k, v in sorted(summary["skipped"].items()))
         why = f"every record was skipped ({skipped})" if skipped else "the inputs hold no document"
         raise BuildError(f"{storage.url}: the build produced an empty cache: {why}. Check the "
                          "inputs and text_key (or pass allow_empty=True to accept an empty cache)")
-    return BuildResult(storage.url, manifest["num_tokens"], manifest["num_documents"],
-                       len(manifest["blocks"]), dict(manifest["skipped"]), manifest["fingerprint"],
+    return BuildResult(storage.url, summary["num_tokens"], summary["num_documents"],
+                       summary["num_blocks"], dict(summary["skipped"]), summary["fingerprint"],
                        time.perf_counter() - started, built, already_complete)
 
 

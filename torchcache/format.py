@@ -1,4 +1,7 @@
-"""Cache format v1: block files, offset sidecars and the manifest (see docs/format.md).
+"""Cache files: block files, offset sidecars, and the v1 manifest (see docs/format.md).
+
+Format v2 keeps these files and replaces v1's one manifest, rewritten at every commit, by a
+header plus an append-only commit log and block index (see `ledger`).
 
 Everything on disk is safetensors or JSON: opening a cache never unpickles anything. Files are
 written through a Storage (see storage.py), so a reader never sees a partial file.
@@ -25,10 +28,12 @@ import numpy as np
 
 from .errors import CacheFormatError
 from .storage import BLOCK_DIR, MANIFEST as MANIFEST_NAME
-from .storage import LocalStorage, Storage, open_regular, open_storage, read_capped, read_regular
+from .storage import LocalStorage, Storage, open_regular, read_capped, read_regular
 
 FORMAT_NAME = "torchcache"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # the layout new builds write (v2: see ledger.py); v1 caches stay readable
+READABLE_VERSIONS = (1, 2)
+BLOCK_FILE_VERSION = "1"  # block, offsets and keys files are the same in v1 and v2
 TOKENIZER_NAME = "tokenizer.json"
 
 # safetensors dtype names of the arrays a cache holds: tokens (U16, U32), offsets (I64)
@@ -50,6 +55,11 @@ _CHECKSUM = re.compile(r"sha256:[0-9a-f]{64}")
 _FINGERPRINT = re.compile(r"[0-9a-f]{32}")
 _short = reprlib.Repr()
 _short.maxstring = _short.maxother = 60
+
+
+def is_fingerprint(value: str) -> bool:
+    """32 lowercase hex digits (safe as a directory name)."""
+    return bool(_FINGERPRINT.fullmatch(value))
 
 
 def token_dtype(vocab_size: int) -> np.dtype:
@@ -296,13 +306,11 @@ def manifest_limit() -> int:
     return int(value) if value.isdigit() else MAX_MANIFEST_BYTES
 
 
-def read_manifest(root: "str | Storage", *, check_order: bool = True) -> dict[str, Any]:
-    """The manifest of a cache (a local path or a Storage), fully validated.
+def load_manifest(storage: "Storage") -> tuple[dict[str, Any], int, str]:
+    """A cache's manifest.json decoded, its format version, and its path (for messages).
 
-    Every field a reader uses is checked (type and range), the block entries' names and stream
-    order (unless `check_order` is False) too; any problem is a CacheFormatError naming the file.
+    Only the version is checked here: `ledger.read_manifest` validates the rest, per version.
     """
-    storage = open_storage(root) if isinstance(root, (str, os.PathLike)) else root
     path = f"{storage.url}/{MANIFEST_NAME}"
     try:
         data = _manifest_bytes(storage)
@@ -310,28 +318,33 @@ def read_manifest(root: "str | Storage", *, check_order: bool = True) -> dict[st
         raise FileNotFoundError(
             f"{path}: no manifest; {storage.url!r} is not a torchcache cache (or its build has not "
             "committed anything yet)") from None
-    manifest = parse_manifest(data, path)
-    if check_order:
-        problem = stream_order_problem(manifest)
-        if problem is not None:
-            raise CacheFormatError(f"{path}: {problem}")
-    return manifest
+    manifest = decode_json(data, path, "manifest")
+    return manifest, manifest_version(manifest, path), path
 
 
 def _manifest_bytes(storage: "Storage") -> bytes:
-    limit = manifest_limit()
-    if isinstance(storage, LocalStorage):  # regular files inside the cache only
-        return CacheDir(storage.root).read(MANIFEST_NAME, limit)
-    return read_capped(storage, MANIFEST_NAME, limit)
+    return read_capped_file(storage, MANIFEST_NAME, manifest_limit())
+
+
+def decode_json(data: bytes, path: str, what: str) -> Any:
+    try:
+        return json.loads(data)
+    except (ValueError, RecursionError) as e:
+        raise CacheFormatError(f"{path}: {what} is not valid JSON ({e}); restore it or rebuild "
+                               "the cache") from None
+
+
+def read_capped_file(storage: "Storage", rel: str, limit: int) -> bytes:
+    """A whole cache file, refused if larger than `limit`; local files only if regular and inside
+    the cache directory."""
+    if isinstance(storage, LocalStorage):
+        return CacheDir(storage.root).read(rel, limit)
+    return read_capped(storage, rel, limit)
 
 
 def parse_manifest(data: bytes, path: str) -> dict[str, Any]:
-    """Decode and validate a manifest's JSON (everything but the stream order)."""
-    try:
-        manifest = json.loads(data)
-    except (ValueError, RecursionError) as e:
-        raise CacheFormatError(f"{path}: manifest is not valid JSON ({e}); restore it or rebuild "
-                               "the cache") from None
+    """Decode and validate a v1 manifest's JSON (everything but the stream order)."""
+    manifest = decode_json(data, path, "manifest")
     check_manifest(manifest, path)
     return manifest
 
@@ -385,15 +398,53 @@ class _Fields:
             raise self.fail(where, f"is {_short.repr(value)}, expected {_short.repr(expected)}")
 
 
-def check_manifest(manifest: Any, path: str) -> None:
-    """Validate every manifest field a reader uses; CacheFormatError naming the file and field."""
+def manifest_version(manifest: Any, path: str) -> int:
+    """The format version of a decoded manifest; CacheFormatError if this version cannot read it."""
     if not isinstance(manifest, dict) or manifest.get("format") != FORMAT_NAME:
         raise CacheFormatError(f"{path}: not a torchcache manifest")
     version = manifest.get("version")
-    if type(version) is not int or version != FORMAT_VERSION:
+    if type(version) is not int or version not in READABLE_VERSIONS:
         raise CacheFormatError(
-            f"{path}: format version {_short.repr(version)}; this torchcache reads version "
-            f"{FORMAT_VERSION}. Upgrade torchcache or rebuild the cache")
+            f"{path}: format version {_short.repr(version)}; this torchcache reads versions "
+            f"{', '.join(map(str, READABLE_VERSIONS))}. Upgrade torchcache or rebuild the cache")
+    return version
+
+
+def check_header(manifest: Any, path: str) -> dict[str, Any]:
+    """Validate a v2 manifest (the header: spec and fingerprint); return its spec."""
+    f = _Fields(path)
+    for key in ("spec", "fingerprint"):
+        f.get(manifest, key, "manifest")
+    spec = _check_spec(f, manifest["spec"])
+    f.str(manifest["fingerprint"], "fingerprint", _FINGERPRINT)
+    if manifest["fingerprint"] != spec_fingerprint(spec):
+        raise f.fail("fingerprint", "does not match the spec (the spec or the fingerprint was edited)")
+    return spec
+
+
+def check_block_entry(entry: Any, where: str, n_inputs: int, path: str) -> None:
+    """Validate one block entry (a v1 manifest's, or a v2 commit log's)."""
+    _check_block_entry(_Fields(path), entry, where, n_inputs)
+
+
+def check_input_progress(progress: Any, where: str, path: str) -> None:
+    """Validate one input's progress (records, skipped counts, blocks, digest)."""
+    f = _Fields(path)
+    progress = f.dict(progress, where)
+    f.int(f.get(progress, "records", where), f"{where}.records", 0, 1 << 62)
+    f.int(f.get(progress, "blocks", where), f"{where}.blocks", 0, MAX_BLOCK_INDEX)
+    for reason, count in f.dict(f.get(progress, "skipped", where), f"{where}.skipped").items():
+        f.int(count, f"{where}.skipped[{reason!r}]", 0, 1 << 62)
+    if progress.get("digest") is not None:
+        f.str(progress["digest"], f"{where}.digest", re.compile(r"[0-9a-f]{64}"))
+
+
+def check_manifest(manifest: Any, path: str) -> None:
+    """Validate every field of a v1 manifest a reader uses; CacheFormatError naming the file and
+    field."""
+    version = manifest_version(manifest, path)
+    if version != 1:
+        raise CacheFormatError(f"{path}: a format v{version} manifest, not v1 (read it with ledger)")
     f = _Fields(path)
     for key in ("spec", "blocks", "inputs", "complete", "fingerprint"):
         f.get(manifest, key, "manifest")
@@ -506,6 +557,7 @@ def _all_blocks(counts: Sequence[int]) -> list[tuple[int, int]]:
 
 def spec_fingerprint(spec: dict[str, Any]) -> str:
     """Identity of a cache: the final cache is a pure function of its spec."""
-    canon = json.dumps({"format": FORMAT_NAME, "version": FORMAT_VERSION, "spec": spec},
+    # version 1 for ever: a cache's identity does not change when its layout is upgraded to v2
+    canon = json.dumps({"format": FORMAT_NAME, "version": 1, "spec": spec},
                        sort_keys=True, separators=(",", ":"))
     return hashlib.sha256(canon.encode()).hexdigest()[:32]

@@ -27,6 +27,7 @@ from ._args import int_arg
 from ._lru import LRUCache
 from .cache_files import check_block_file, load_keys, load_offsets, locate_cache, offsets_max_size
 from .errors import CacheFormatError
+from .ledger import CacheState, open_state, refresh_state
 # check_cache and friends live in torchcache.verify; re-exported here for callers not yet moved.
 
 __all__ = ["TokenCache"]
@@ -187,10 +188,10 @@ class TokenCache:
         self._keys_cache: LRUCache[list[str | None]] = LRUCache(_MAX_CACHED_KEYS)
         self._verified: set[str] = set()
         self._init_process_state()
-        self._source, manifest = locate_cache(os.fspath(path), storage_options, local_dir)
+        self._source = locate_cache(os.fspath(path), storage_options, local_dir)
         self.url, self.root = self._source.url, self._source.root
         self._remote = self._source.remote
-        self._load(manifest)
+        self._load(open_state(self._source.metadata))
 
     def _init_process_state(self) -> None:
         """What never travels between processes: lock, open blocks, tokenizer."""
@@ -204,43 +205,38 @@ class TokenCache:
         self._open: dict[int, _Block] = {}
         self._doomed: list[_Block] = []
 
-    # ------------------------------------------------------------ manifest
-    def _load(self, manifest: dict[str, Any]) -> None:
-        self.spec: dict[str, Any] = manifest["spec"]
-        self.complete: bool = manifest["complete"]
-        self.fingerprint: str = manifest["fingerprint"]
-        self.skipped: dict[str, int] = dict(manifest.get("skipped", {}))
-        blocks = manifest["blocks"]
-        self._paths = [(b["path"], b["offsets"]) for b in blocks]
-        self._checksums = [(b["checksum"], b["offsets_checksum"]) for b in blocks]
-        self._key_files = [(b["keys"], b["keys_checksum"]) if "keys" in b else None for b in blocks]
-        self._inputs = [self.spec["inputs"][b["input"]]["path"] for b in blocks]
-        self._sizes = np.array([b["size"] for b in blocks], dtype=np.int64)
-        self._token_starts = np.zeros(len(blocks) + 1, dtype=np.int64)
-        np.cumsum([b["num_tokens"] for b in blocks], out=self._token_starts[1:])
-        self._doc_starts = np.zeros(len(blocks) + 1, dtype=np.int64)
-        np.cumsum([b["num_documents"] for b in blocks], out=self._doc_starts[1:])
+    # ------------------------------------------------------------ committed state
+    def _load(self, state: CacheState) -> None:
+        self._state = state
+        self.spec: dict[str, Any] = state.spec
+        self.complete: bool = state.complete
+        self.fingerprint: str = state.fingerprint
+        self.skipped: dict[str, int] = dict(state.skipped)
+        self._table = state.table
+        self._token_starts = state.table.token_starts
+        self._doc_starts = state.table.doc_starts
         self.dtype = fmt.DTYPES[self.spec["dtype"]]
 
     @_locked
     def refresh(self) -> bool:
-        """Re-read the manifest; True if new blocks were committed since the last look.
+        """Pick up what was committed since the last look; True if new blocks were committed (or
+        the cache completed). Reads only the new commits (format v2).
 
         >>> while not cache.complete:  # doctest: +SKIP
         ...     if cache.refresh():
         ...         print(cache.num_tokens, "tokens committed")
         """
-        manifest = fmt.read_manifest(self._remote or self.root)
-        if manifest["fingerprint"] != self.fingerprint:
+        state = refresh_state(self._source.metadata, self._state)
+        if state.fingerprint != self.fingerprint:
             raise CacheFormatError(f"{self.url}: the cache was replaced by a different one "
                                    "while it was open; reopen it")
-        known = len(self._paths)
-        new_paths = [(b["path"], b["offsets"]) for b in manifest["blocks"][:known]]
-        if new_paths != self._paths:
+        known = len(self._table)
+        if len(state.table) < known or (state.version == 1 and not np.array_equal(
+                state.table.records[:known], self._table.records)):  # v2 only ever appends
             raise CacheFormatError(f"{self.url}: committed blocks changed under the reader; "
                                    "the cache was rebuilt while open; reopen it")
-        grew = len(manifest["blocks"]) > known or manifest["complete"] != self.complete
-        self._load(manifest)
+        grew = len(state.table) > known or state.complete != self.complete
+        self._load(state)
         return grew
 
     @property
@@ -256,7 +252,7 @@ class TokenCache:
     @property
     def num_blocks(self) -> int:
         """Committed block files."""
-        return len(self._paths)
+        return len(self._table)
 
     @property
     def vocab_size(self) -> int | None:
@@ -322,10 +318,10 @@ class TokenCache:
     # ------------------------------------------------------------ block access
     def _open_block(self, b: int) -> _Block:
         """Open block b (checked against the manifest) and add it to the process's pool."""
-        rel, checksum = self._paths[b][0], self._checksums[b][0]
-        path, fd = self._open_file(rel, checksum, int(self._sizes[b]))
+        size = self._table.size(b)
+        path, fd = self._open_file(self._table.path(b), self._table.checksum(b), size)
         try:
-            start = check_block_file(fd, path, self.dtype, self._block_tokens(b), int(self._sizes[b]))
+            start = check_block_file(fd, path, self.dtype, self._block_tokens(b), size)
         except BaseException:
             os.close(fd)
             raise
@@ -372,8 +368,8 @@ class TokenCache:
 
     def _load_block_offsets(self, b: int) -> np.ndarray:
         n_docs = self._block_documents(b)
-        path, fd = self._open_file(self._paths[b][1], self._checksums[b][1],
-                                   offsets_max_size(n_docs))
+        path, fd = self._open_file(self._table.offsets_path(b),
+                                   self._table.checksum(b, "offsets_checksum"), offsets_max_size(n_docs))
         try:
             return load_offsets(fd, path, n_docs, self._block_tokens(b))
         finally:
@@ -554,14 +550,15 @@ class TokenCache:
         """
         i = self._check_document(i)
         b = self._document_block(i)
-        if self._key_files[b] is None:
+        if not self._table.has_keys(b):
             return None
         keys = self._keys_cache.get_or_make(b, lambda: self._load_block_keys(b))
         return keys[i - int(self._doc_starts[b])]
 
     @_locked
     def _load_block_keys(self, b: int) -> list[str | None]:
-        path, fd = self._open_file(*self._key_files[b], fmt.MAX_KEYS_BYTES)
+        path, fd = self._open_file(self._table.keys_path(b), self._table.checksum(b, "keys_checksum"),
+                                   fmt.MAX_KEYS_BYTES)
         try:
             return load_keys(fd, path, self._block_documents(b))
         finally:
@@ -576,7 +573,7 @@ class TokenCache:
         token = int_arg(token, "token", minimum=None)
         doc = self.document_at(token)
         start, stop = self.document_span(doc)
-        manifest_input = self._inputs[self._document_block(doc)]
+        manifest_input = self.spec["inputs"][self._table.input(self._document_block(doc))]["path"]
         return {"document": doc, "key": self.document_key(doc), "input": manifest_input,
                 "document_tokens": (start, stop), "offset_in_document": token - start}
 

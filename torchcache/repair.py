@@ -20,6 +20,7 @@ from tokenizers import Tokenizer
 from . import format as fmt
 from .commit import acquire_lock
 from .errors import BuildError
+from .ledger import read_manifest
 from .inputs import resolve_inputs
 from .records import ITERABLE_PATH, InputSource
 from .storage import LocalStorage, Storage, open_storage
@@ -66,7 +67,7 @@ def repair_cache(path: str | os.PathLike, *, storage_options: dict[str, Any] | N
         if unfixable:
             raise BuildError(f"{storage.url}: cannot repair this by rebuilding blocks: "
                              f"{'; '.join(unfixable[:3])}. Rebuild the cache into a new directory")
-        manifest = fmt.read_manifest(storage)
+        manifest = read_manifest(storage)
         entries = manifest["blocks"] + manifest.get("pending", [])
         damaged: dict[int, set[int]] = {}
         for p in problems:

@@ -109,6 +109,18 @@ class Storage:
     def read(self, rel: str) -> bytes:
         raise NotImplementedError
 
+    def extend(self, rel: str, keep: int, data: bytes) -> None:
+        """Make file `rel` hold `data`, whose first `keep` bytes it already holds (or `keep` is 0).
+
+        Locally only the new bytes are written, in place, and made durable: readers never look
+        past what a commit point (head.json) says is there, so the tail may be torn by a crash.
+        Object stores cannot append: there the whole of `data` is written again, in one put.
+        """
+        raise NotImplementedError
+
+    def sync_dir(self, rel: str) -> None:
+        """Make the names created in directory `rel` durable (a no-op where renames are atomic)."""
+
     def exists(self, rel: str) -> bool:
         raise NotImplementedError
 
@@ -149,7 +161,7 @@ class LocalStorage(Storage):
                     f.write(part)
                 f.flush()
                 os.fsync(f.fileno())
-            if rel == MANIFEST:  # it makes blocks visible: their renames must be durable first
+            if rel in COMMIT_POINTS:  # it makes blocks visible: their renames must be durable first
                 blocks = self._path(BLOCK_DIR)
                 if os.path.isdir(blocks):
                     _fsync_dir(blocks)
@@ -162,9 +174,29 @@ class LocalStorage(Storage):
         except BaseException:
             _remove_quietly(tmp)
             raise
-        if rel == MANIFEST:
+        if rel in COMMIT_POINTS:
             _fsync_dir(self.root)
         return _digest(parts)
+
+    def extend(self, rel: str, keep: int, data: bytes) -> None:
+        path = self._path(rel)
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_CLOEXEC, 0o644)
+        try:
+            if os.fstat(fd).st_size < keep:
+                raise OSError(f"{path}: holds {os.fstat(fd).st_size} bytes, fewer than the {keep} "
+                              "already committed; the cache is damaged, run `torchcache verify`")
+            os.ftruncate(fd, keep)
+            view = memoryview(data)[keep:]
+            while view:
+                written = os.pwrite(fd, view, keep)
+                view, keep = view[written:], keep + written
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+
+    def sync_dir(self, rel: str) -> None:
+        _fsync_dir(self._path(rel))
 
     def read(self, rel: str, limit: int | None = None) -> bytes:
         """A whole regular file (never a FIFO or device), refused if larger than `limit` bytes."""
@@ -226,6 +258,13 @@ class RemoteStorage(Storage):
     def read(self, rel: str) -> bytes:
         return self.fs.cat_file(self._path(rel))
 
+    def extend(self, rel: str, keep: int, data: bytes) -> None:
+        self.write(rel, [data])
+
+    def read_range(self, rel: str, start: int, stop: int) -> bytes:
+        """Bytes [start, stop) of a file, in one ranged request (fewer if the file is shorter)."""
+        return self.fs.cat_file(self._path(rel), start=start, end=stop)
+
     def exists(self, rel: str) -> bool:
         self.fs.invalidate_cache()
         return self.fs.exists(self._path(rel))
@@ -255,7 +294,9 @@ class RemoteStorage(Storage):
 
 
 MANIFEST = "manifest.json"
+HEAD = "head.json"  # format v2's commit point
 BLOCK_DIR = "blocks"
+COMMIT_POINTS = (MANIFEST, HEAD)  # writes that make blocks visible to readers
 
 
 def _remove_quietly(path: str) -> None:

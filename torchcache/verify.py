@@ -17,6 +17,7 @@ from . import format as fmt
 from .cache_files import (CacheFiles, check_block_file, load_keys, load_offsets, locate_cache,
                           max_file_sizes)
 from .errors import CacheFormatError
+from .ledger import read_manifest
 
 __all__ = ["Problem", "check_cache", "verify_cache"]
 
@@ -51,7 +52,8 @@ def check_cache(path: str | os.PathLike, storage_options: dict[str, Any] | None 
     """
     url = os.fspath(path)
     try:
-        source, manifest = locate_cache(url, storage_options, local_dir, check_order=False)
+        source = locate_cache(url, storage_options, local_dir)
+        manifest = read_manifest(source.metadata, check_order=False)
     except CacheFormatError as e:
         return [Problem(str(e), None, fmt.MANIFEST_NAME)]
     problems = []

@@ -216,7 +216,7 @@ def _write_block(job: BuildJob, index: int, block_no: int, docs: list[np.ndarray
     offsets = np.zeros(len(docs) + 1, dtype=np.int64)
     np.cumsum([len(d) for d in docs], out=offsets[1:])
     path = fmt.block_name(index, block_no)
-    meta = {"format": fmt.FORMAT_NAME, "version": str(fmt.FORMAT_VERSION)}
+    meta = {"format": fmt.FORMAT_NAME, "version": fmt.BLOCK_FILE_VERSION}
     block = fmt.write_tensor_file(job.output, path, "tokens", tokens, meta)
     side = fmt.write_tensor_file(job.output, fmt.offsets_name(path), "offsets", offsets, meta)
     entry = {"path": block.path, "checksum": block.checksum, "size": block.size,
