@@ -89,6 +89,7 @@ def as_format_v1(root) -> None:
     from torchcache.ledger import read_manifest
     manifest = read_manifest(str(root))
     manifest["version"] = 1
+    manifest.pop("chunk_records", None)
     Path(root, "manifest.json").write_text(json.dumps(manifest, indent=1, sort_keys=True) + "\n")
     Path(root, "head.json").unlink()
     for folder in ("index", "log"):

@@ -11,16 +11,16 @@ block, no checksums unless asked. Anything wrong is a CacheFormatError naming th
 from __future__ import annotations
 
 import fcntl
-import hashlib
 import json
 import os
-import time
+import tempfile
 from typing import Any
 
 import numpy as np
 
 from . import format as fmt
 from .errors import CacheFormatError
+from .local_copies import SessionStats, fetch_verified
 from .storage import TMP_MARK, LocalStorage, RemoteStorage, Storage, is_remote, open_storage
 
 __all__ = ["CacheFiles", "check_block_file", "load_keys", "load_offsets", "locate_cache",
@@ -34,27 +34,37 @@ class CacheFiles:
     >>> path, fd = files.open("blocks/000000-000000.safetensors", None, verify=False)  # doctest: +SKIP
     """
 
-    def __init__(self, url: str, root: str, remote: RemoteStorage | None):
+    def __init__(self, url: str, root: str, remote: RemoteStorage | None, in_memory: bool = False,
+                 stats: SessionStats | None = None):
         self.url, self.root, self.remote = url, root, remote
         self.dir = fmt.CacheDir(root)
         # where the manifest and commits are read: the remote cache itself, or the directory
         self.metadata: Storage = remote if remote is not None else LocalStorage(root)
+        # A remote cache read under a cache_limit: its small files (offsets, keys, tokenizer) are
+        # read into memory, never copied (the copy directory holds only blocks, within the limit).
+        self.in_memory = in_memory
+        self.stats = stats  # counts downloads (remote caches)
 
     def __getstate__(self) -> dict[str, Any]:
-        return {"url": self.url, "root": self.root, "remote": self.remote}
+        return {"url": self.url, "root": self.root, "remote": self.remote,
+                "in_memory": self.in_memory, "stats": self.stats}
 
     def __setstate__(self, state: dict[str, Any]) -> None:
-        self.__init__(state["url"], state["root"], state["remote"])
+        self.__init__(state["url"], state["root"], state["remote"], state.get("in_memory", False),
+                      state.get("stats"))
 
     def open(self, rel: str, checksum: str | None, verify: bool,
              max_size: int | None = None) -> tuple[str, int]:
         """(path, descriptor) of a regular file of the cache; remote files are copied here first
-        (verified by checksum). With `verify`, a local file's checksum is recomputed, unless it is
+        (verified by checksum), or with ``in_memory`` read into an anonymous in-memory file (the
+        path is then the URL). With `verify`, a local file's checksum is recomputed, unless it is
         larger than `max_size` (refused before it is read: hashing gigabytes proves nothing)."""
         if self.remote is not None:
+            if self.in_memory:
+                return self._open_in_memory(rel, checksum, max_size)
             path = self.dir.path(rel)
             if not os.path.exists(path):
-                _download(self.remote, rel, path, checksum)
+                _download(self.remote, rel, path, checksum, self.stats)
         try:
             path, fd = self.dir.open(rel)
         except FileNotFoundError:
@@ -69,6 +79,32 @@ class CacheFiles:
                 os.close(fd)
                 raise
         return path, fd
+
+    def _open_in_memory(self, rel: str, checksum: str | None,
+                        max_size: int | None) -> tuple[str, int]:
+        """A remote file read whole (verified by checksum) into an anonymous file in memory."""
+        data = fetch_verified(self.remote, rel, checksum, max_size=max_size)
+        if self.stats is not None:
+            self.stats.add_many({"bytes_downloaded": len(data), "other_bytes": len(data)})
+            self.stats.flush()
+        fd = _anonymous_file()
+        try:
+            view, done = memoryview(data), 0
+            while done < len(view):
+                done += os.pwrite(fd, view[done:], done)
+        except BaseException:
+            os.close(fd)
+            raise
+        return f"{self.url}/{rel}", fd
+
+
+def _anonymous_file() -> int:
+    """A read-write descriptor of a file that lives only in memory (or, without memfd, an
+    unnamed temporary file), gone when it is closed."""
+    if hasattr(os, "memfd_create"):
+        return os.memfd_create("torchcache", getattr(os, "MFD_CLOEXEC", 0))
+    with tempfile.TemporaryFile() as f:  # pragma: no cover - systems without memfd
+        return os.dup(f.fileno())
 
 
 def _check_size(fd: int, path: str, max_size: int | None) -> None:
@@ -175,41 +211,29 @@ def load_keys(fd: int, path: str, num_documents: int) -> list[str | None]:
 # ---------------------------------------------------------------- remote copies
 
 def _download(storage: RemoteStorage, rel: str, path: str, checksum: str | None,
-              attempts: int = 3) -> None:
+              stats: SessionStats | None = None, attempts: int = 3) -> None:
     """Copy one remote file to `path`, verified by checksum, exactly once per machine.
 
     An flock on a sibling lock file makes DataLoader workers and ranks that need the same file
     wait for one download instead of repeating it; the copy is renamed into place only once
-    complete and verified, so nobody ever reads a partial one.
+    complete and verified, so nobody ever reads a partial one. (No size limit here: see
+    :mod:`torchcache.local_copies` for copies under a cache_limit.)
     """
     os.makedirs(os.path.dirname(path), exist_ok=True)
     with open(path + ".lock", "a+b") as lock:
         fcntl.flock(lock.fileno(), fcntl.LOCK_EX)
         if os.path.exists(path):
             return
-        problem = ""
-        for attempt in range(attempts):
-            try:
-                data = storage.read(rel)
-            except FileNotFoundError:
-                raise CacheFormatError(f"{storage.url}/{rel}: missing from the remote cache; "
-                                       "run `torchcache verify` on it") from None
-            except Exception as e:  # network trouble: try again, then report it
-                problem = f"{type(e).__name__}: {e}"
-                time.sleep(0.2 * (attempt + 1))
-                continue
-            actual = "sha256:" + hashlib.sha256(data).hexdigest()
-            if checksum is not None and actual != checksum:
-                problem = f"checksum mismatch (got {actual[:19]}..., manifest says {checksum[:19]}...)"
-                continue
-            tmp = f"{path}{TMP_MARK}{os.getpid()}"
-            with open(tmp, "wb") as f:
-                f.write(data)
-                f.flush()
-                os.fsync(f.fileno())
-            os.replace(tmp, path)
-            return
-        raise CacheFormatError(f"{storage.url}/{rel}: download failed {attempts} times "
-                               f"({problem}); the remote file is corrupted or unreachable")
-
-
+        data = fetch_verified(storage, rel, checksum, attempts)
+        tmp = f"{path}{TMP_MARK}{os.getpid()}"
+        with open(tmp, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    if stats is not None:
+        block = rel.endswith(".safetensors") and not rel.endswith(".offsets.safetensors")
+        stats.add_many({"bytes_downloaded": len(data), "whole_block_downloads": int(block),
+                        "whole_block_bytes": len(data) if block else 0,
+                        "other_bytes": 0 if block else len(data)})
+        stats.flush()

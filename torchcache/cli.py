@@ -1,4 +1,4 @@
-"""The `torchcache` command line: build, convert-webdataset, info, verify, show."""
+"""The `torchcache` command line: build, convert-webdataset, info, verify, upgrade, show."""
 
 from __future__ import annotations
 
@@ -11,7 +11,9 @@ import numpy as np
 
 from . import __version__
 from .build import build_cache
+from .commit import acquire_lock
 from .convert import convert_webdataset
+from .ledger import upgrade
 from .read import TokenCache
 from .repair import repair_cache
 from .storage import open_storage
@@ -95,6 +97,17 @@ def _info(args: argparse.Namespace) -> int:
           f"bos {spec['bos_id']}  eos {spec['eos_id']}")
     print(f"  inputs     {len(spec['inputs'])} (text key {spec['text_key']!r})")
     print(f"  fingerprint {cache.fingerprint}")
+    return 0
+
+
+def _upgrade(args: argparse.Namespace) -> int:
+    storage = open_storage(args.cache)
+    lock = acquire_lock(storage)  # no builder may commit while the record is rewritten
+    try:
+        changed = upgrade(storage)
+    finally:
+        lock.release()
+    print(f"{args.cache}: {'upgraded to' if changed else 'already in'} format v2")
     return 0
 
 
@@ -228,6 +241,11 @@ def make_parser() -> argparse.ArgumentParser:
     v.add_argument("--repair", action="store_true",
                    help="rebuild the damaged blocks from the inputs (byte-identical)")
     v.set_defaults(func=_verify)
+
+    u = sub.add_parser("upgrade", help="convert a format v1 cache to v2 in place (crash-safe; "
+                                       "same fingerprint, block files untouched)")
+    u.add_argument("cache")
+    u.set_defaults(func=_upgrade)
 
     s = sub.add_parser("show", help="decode a document or a token range")
     s.add_argument("cache")

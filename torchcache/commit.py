@@ -92,7 +92,8 @@ class ManifestState:
             storage, self.fingerprint)
         self.records = head["records"]
         self._unsaved: list[dict[str, Any]] = []  # commit log records since the last save
-        self._writer = ledger.LedgerWriter(storage, head)
+        chunk = existing["chunk_records"] if existing else ledger.CHUNK_RECORDS
+        self._writer = ledger.LedgerWriter(storage, head, chunk)
 
     def _set_progress(self, index: int, progress: dict) -> None:
         self.inputs_done += bool(progress.get("done")) - self.progress[index]["done"]

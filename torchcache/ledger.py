@@ -34,7 +34,9 @@ from .storage import HEAD, LocalStorage, RemoteStorage, Storage, open_storage
 HEAD_NAME = HEAD
 INDEX_DIR = "index"
 LOG_DIR = "log"
-CHUNK_RECORDS = 4096
+# Records per index and log chunk for new caches (each cache's manifest records its own). Tests
+# set TORCHCACHE_TEST_CHUNK_RECORDS to cross chunk boundaries with a few blocks.
+CHUNK_RECORDS = int(os.environ.get("TORCHCACHE_TEST_CHUNK_RECORDS", "4096"))
 MAX_HEAD_BYTES = 1 << 20
 MAX_LOG_CHUNK_BYTES = 256 << 20
 PROGRESS_FIELDS = ("records", "skipped", "blocks", "done", "digest")  # an input's, in a final head
@@ -187,6 +189,7 @@ class CacheState:
     skipped: dict[str, int]
     table: BlockTable
     head: dict[str, Any] | None  # v2 only
+    chunk_records: int = 0  # v2 only
 
 
 def open_state(storage: Storage, *, check_order: bool = True) -> CacheState:
@@ -200,14 +203,18 @@ def open_state(storage: Storage, *, check_order: bool = True) -> CacheState:
                           dict(manifest.get("skipped", {})), BlockTable.from_entries(manifest["blocks"]),
                           None)
     spec = fmt.check_header(manifest, path)
+    chunk = manifest.get("chunk_records")
+    if type(chunk) is not int or not 1 <= chunk <= 1 << 20:
+        raise CacheFormatError(f"{path}: chunk_records {chunk!r} is not a chunk size; the manifest "
+                               "is corrupted (restore it or rebuild the cache)")
     head = read_head(storage, manifest["fingerprint"])
-    records = read_index(storage, 0, head["blocks"])
+    records = read_index(storage, 0, head["blocks"], chunk)
     check_records(records, len(spec["inputs"]), np.zeros(len(spec["inputs"]), np.int64), -1,
                   f"{storage.url}/{INDEX_DIR}")
     table = BlockTable(records)
     _check_totals(head, table, storage)
     return CacheState(2, spec, manifest["fingerprint"], head["complete"], dict(head["skipped"]),
-                      table, head)
+                      table, head, chunk)
 
 
 def refresh_state(storage: Storage, state: CacheState) -> CacheState:
@@ -223,7 +230,7 @@ def refresh_state(storage: Storage, state: CacheState) -> CacheState:
                                "cache was rebuilt while open; reopen it")
     table = state.table
     if head["blocks"] > old["blocks"]:
-        more = read_index(storage, old["blocks"], head["blocks"])
+        more = read_index(storage, old["blocks"], head["blocks"], state.chunk_records)
         counts = np.bincount(table.records["input"], minlength=len(state.spec["inputs"]))
         last = _stream_key(table.records[-1:], len(state.spec["inputs"]))[0] if len(table) else -1
         check_records(more, len(state.spec["inputs"]), counts, last, f"{storage.url}/{INDEX_DIR}",
@@ -231,7 +238,7 @@ def refresh_state(storage: Storage, state: CacheState) -> CacheState:
         table = table.extended(more)
     _check_totals(head, table, storage)
     return CacheState(2, state.spec, state.fingerprint, head["complete"], dict(head["skipped"]),
-                      table, head)
+                      table, head, state.chunk_records)
 
 
 def read_manifest(root: "str | os.PathLike | Storage", *, check_order: bool = True) -> dict[str, Any]:
@@ -256,7 +263,8 @@ def read_manifest(root: "str | os.PathLike | Storage", *, check_order: bool = Tr
         progress = state.head["inputs"]
     else:
         try:
-            entries, progress = replay_log(storage, state.spec, state.head["records"])
+            entries, progress = replay_log(storage, state.spec, state.head["records"],
+                                           state.chunk_records)
         except CacheFormatError:  # the build may have finished (and dropped its log) meanwhile
             again = open_state(storage, check_order=check_order)
             if "inputs" not in again.head:
@@ -266,6 +274,7 @@ def read_manifest(root: "str | os.PathLike | Storage", *, check_order: bool = Tr
     visible = {(e["input"], e["index"]) for e in blocks}
     manifest = {
         "format": fmt.FORMAT_NAME, "version": 2, "spec": state.spec, "fingerprint": state.fingerprint,
+        "chunk_records": state.chunk_records,
         "blocks": blocks, "pending": [e for e in entries if (e["input"], e["index"]) not in visible],
         "complete": state.complete, "num_tokens": int(state.table.token_starts[-1]),
         "num_documents": int(state.table.doc_starts[-1]),
@@ -339,20 +348,21 @@ def read_head(storage: Storage, fingerprint: str) -> dict[str, Any]:
     return head
 
 
-def _chunks(start: int, stop: int) -> Iterable[tuple[int, int, int]]:
-    """(chunk, first, end) record ranges, within each chunk, covering [start, stop)."""
+def _chunks(start: int, stop: int, size: int) -> Iterable[tuple[int, int, int]]:
+    """(chunk, first, end) record ranges, within each chunk of `size` records, covering
+    [start, stop)."""
     k = start
     while k < stop:
-        chunk = k // CHUNK_RECORDS
-        end = min(stop, (chunk + 1) * CHUNK_RECORDS)
-        yield chunk, k - chunk * CHUNK_RECORDS, end - chunk * CHUNK_RECORDS
+        chunk = k // size
+        end = min(stop, (chunk + 1) * size)
+        yield chunk, k - chunk * size, end - chunk * size
         k = end
 
 
-def read_index(storage: Storage, start: int, stop: int) -> np.ndarray:
+def read_index(storage: Storage, start: int, stop: int, chunk_records: int) -> np.ndarray:
     """Index records [start, stop) of the committed stream."""
     parts = []
-    for chunk, first, end in _chunks(start, stop):
+    for chunk, first, end in _chunks(start, stop, chunk_records):
         rel = index_chunk_name(chunk)
         data = _read_range(storage, rel, first * RECORD.itemsize, end * RECORD.itemsize)
         parts.append(np.frombuffer(data, dtype=RECORD))
@@ -425,10 +435,10 @@ def check_records(records: np.ndarray, n_inputs: int, counts: np.ndarray, last_k
         raise bad(int(order[np.argmax(wrong)]), "does not follow its input's previous block")
 
 
-def read_log(storage: Storage, count: int) -> list[dict[str, Any]]:
+def read_log(storage: Storage, count: int, chunk_records: int) -> list[dict[str, Any]]:
     """The first `count` commit log records, decoded (each checked by `replay_log`)."""
     out: list[dict[str, Any]] = []
-    for chunk, first, end in _chunks(0, count):
+    for chunk, first, end in _chunks(0, count, chunk_records):
         rel = log_chunk_name(chunk)
         try:
             data = fmt.read_capped_file(storage, rel, MAX_LOG_CHUNK_BYTES)
@@ -444,13 +454,14 @@ def read_log(storage: Storage, count: int) -> list[dict[str, Any]]:
     return out
 
 
-def replay_log(storage: Storage, spec: dict[str, Any], count: int) -> tuple[list[dict], list[dict]]:
+def replay_log(storage: Storage, spec: dict[str, Any], count: int,
+               chunk_records: int) -> tuple[list[dict], list[dict]]:
     """The finished block entries (commit order) and each input's progress, from the log."""
     n = len(spec["inputs"])
     progress = [{"records": 0, "skipped": {}, "blocks": 0, "done": False} for _ in range(n)]
     entries: list[dict] = []
     where = f"{storage.url}/{LOG_DIR}"
-    for k, record in enumerate(read_log(storage, count)):
+    for k, record in enumerate(read_log(storage, count, chunk_records)):
         at = f"record {k}"
         if not isinstance(record, dict) or type(record.get("input")) is not int \
                 or not 0 <= record["input"] < n:
@@ -479,16 +490,17 @@ class _ChunkedFile:
     """The last chunk of the log or the index, kept in memory so that an object store can be
     sent it whole, and written from where the last commit ended."""
 
-    def __init__(self, storage: Storage, name, count: int, tail: bytes, tail_records: int):
-        self.storage, self.name = storage, name
-        self.chunk, self.data, self.records = count // CHUNK_RECORDS, tail, tail_records
+    def __init__(self, storage: Storage, name, count: int, tail: bytes, tail_records: int,
+                 chunk_records: int):
+        self.storage, self.name, self.size = storage, name, chunk_records
+        self.chunk, self.data, self.records = count // chunk_records, tail, tail_records
         self.written = len(tail)  # bytes of this chunk already durable
 
     def append(self, items: list[bytes]) -> None:
         """Append records and write them; a filled chunk is finished before the next starts."""
         pending = list(items)
         while pending:
-            room = CHUNK_RECORDS - self.records
+            room = self.size - self.records
             take, pending = pending[:room], pending[room:]
             created = self.written == 0
             self.data += b"".join(take)
@@ -497,27 +509,28 @@ class _ChunkedFile:
             if created:
                 self.storage.sync_dir(self.name(self.chunk).rpartition("/")[0])
             self.written = len(self.data)
-            if self.records == CHUNK_RECORDS:
+            if self.records == self.size:
                 self.chunk, self.data, self.records, self.written = self.chunk + 1, b"", 0, 0
 
 
 class LedgerWriter:
     """Appends commits to a v2 cache (the builder's side: it holds the cache's lock)."""
 
-    def __init__(self, storage: Storage, head: dict[str, Any]):
-        self.storage, self.head = storage, dict(head)
+    def __init__(self, storage: Storage, head: dict[str, Any], chunk_records: int):
+        self.storage, self.head, self.chunk_records = storage, dict(head), chunk_records
         self._log = _ChunkedFile(storage, log_chunk_name, head["records"],
-                                 *self._log_tail(head["records"]))
+                                 *self._log_tail(head["records"]), chunk_records)
         blocks = head["blocks"]
-        start = blocks - blocks % CHUNK_RECORDS
-        tail = read_index(storage, start, blocks).tobytes()
-        self._index = _ChunkedFile(storage, index_chunk_name, blocks, tail, blocks - start)
+        start = blocks - blocks % chunk_records
+        tail = read_index(storage, start, blocks, chunk_records).tobytes()
+        self._index = _ChunkedFile(storage, index_chunk_name, blocks, tail, blocks - start,
+                                   chunk_records)
 
     def _log_tail(self, count: int) -> tuple[bytes, int]:
-        first = count - count % CHUNK_RECORDS
+        first = count - count % self.chunk_records
         if first == count:
             return b"", 0
-        data = fmt.read_capped_file(self.storage, log_chunk_name(first // CHUNK_RECORDS),
+        data = fmt.read_capped_file(self.storage, log_chunk_name(first // self.chunk_records),
                                     MAX_LOG_CHUNK_BYTES)
         lines = data.split(b"\n")[: count - first]
         return b"".join(line + b"\n" for line in lines), count - first
@@ -549,12 +562,15 @@ def delete_log(storage: Storage) -> None:
             storage.delete(f"{LOG_DIR}/{name}")
 
 
-def write_header(storage: Storage, spec: dict[str, Any]) -> dict[str, Any]:
-    """A new v2 cache's manifest.json (written once) and its empty head."""
-    fingerprint = fmt.spec_fingerprint(spec)
-    storage.write_json(fmt.MANIFEST_NAME, {"format": fmt.FORMAT_NAME, "version": 2, "spec": spec,
-                                           "fingerprint": fingerprint})
-    return empty_head(fingerprint)
+def header(spec: dict[str, Any], fingerprint: str) -> dict[str, Any]:
+    """A v2 manifest: the cache's identity, and the chunk size of its index and log."""
+    return {"format": fmt.FORMAT_NAME, "version": 2, "spec": spec, "fingerprint": fingerprint,
+            "chunk_records": CHUNK_RECORDS}
+
+
+def write_header(storage: Storage, spec: dict[str, Any]) -> None:
+    """A new v2 cache's manifest.json, written once, before anything else."""
+    storage.write_json(fmt.MANIFEST_NAME, header(spec, fmt.spec_fingerprint(spec)))
 
 
 def upgrade(storage: Storage) -> bool:
@@ -588,13 +604,11 @@ def upgrade(storage: Storage) -> bool:
                 num_tokens=sum(e["num_tokens"] for e in manifest["blocks"]),
                 num_documents=sum(e["num_documents"] for e in manifest["blocks"]),
                 complete=manifest["complete"], skipped=dict(manifest.get("skipped", {})))
-    writer = LedgerWriter(storage, empty_head(manifest["fingerprint"]))
+    writer = LedgerWriter(storage, empty_head(manifest["fingerprint"]), CHUNK_RECORDS)
     if manifest["complete"]:
         head.update(records=0, inputs=[dict(p, done=True) for p in progress])
         writer.finish(manifest["blocks"], head)
     else:
         writer.commit(log, manifest["blocks"], head)
-    storage.write_json(fmt.MANIFEST_NAME, {"format": fmt.FORMAT_NAME, "version": 2,
-                                           "spec": manifest["spec"],
-                                           "fingerprint": manifest["fingerprint"]})
+    storage.write_json(fmt.MANIFEST_NAME, header(manifest["spec"], manifest["fingerprint"]))
     return True
