@@ -154,8 +154,8 @@ def test_kill_9_at_commits_across_chunk_boundaries_then_resume_is_byte_identical
     reference = _build(shards, tmp_path / "ref", gpt2_tokenizer_path, num_workers=1)
     out = tmp_path / "killed"
     seen = 0
-    for commits, workers in ((4, 2), (5, 1), (4, 2)):  # each run resumes the previous one
-        assert build_killed_at_commit(shards, out, gpt2_tokenizer_path, commits, workers=workers,
+    for commits in (4, 5, 4):  # each run resumes the previous one (inline: deterministic commits)
+        assert build_killed_at_commit(shards, out, gpt2_tokenizer_path, commits,
                                       block_tokens=BLOCK) == -signal.SIGKILL
         manifest = ledger.read_manifest(str(out))  # every kill left a valid, growing cache
         assert not manifest["complete"]
@@ -175,8 +175,8 @@ def test_a_reader_follows_a_growing_cache_reading_only_new_commits(tmp_path, sha
     reference = _build(shards, tmp_path / "ref", gpt2_tokenizer_path, num_workers=1)
     full = _tokens(reference.path)
     out = tmp_path / "growing"
-    assert build_killed_at_commit(shards, out, gpt2_tokenizer_path, 8, block_tokens=BLOCK,
-                                  workers=3) == -9
+    # inline builds commit one event at a time: the same commits, in the same order, every run
+    assert build_killed_at_commit(shards, out, gpt2_tokenizer_path, 8, block_tokens=BLOCK) == -9
     cache = tc.TokenCache(out)
     sizes = [cache.num_blocks]
     aside = tmp_path / "aside"
@@ -184,8 +184,7 @@ def test_a_reader_follows_a_growing_cache_reading_only_new_commits(tmp_path, sha
     hidden = 0
     while not cache.complete:
         read_already = sorted(os.listdir(out / "index"))[: cache.num_blocks // CHUNK]  # full chunks
-        code = build_killed_at_commit(shards, out, gpt2_tokenizer_path, 3, block_tokens=BLOCK,
-                                      workers=3)
+        code = build_killed_at_commit(shards, out, gpt2_tokenizer_path, 3, block_tokens=BLOCK)
         assert code in (0, -signal.SIGKILL)
         for name in read_already:
             shutil.move(out / "index" / name, aside / name)

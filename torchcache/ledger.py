@@ -190,6 +190,7 @@ class CacheState:
     table: BlockTable
     head: dict[str, Any] | None  # v2 only
     chunk_records: int = 0  # v2 only
+    per_input: np.ndarray | None = None  # v2: committed blocks of each input (to check new ones)
 
 
 def open_state(storage: Storage, *, check_order: bool = True) -> CacheState:
@@ -213,8 +214,9 @@ def open_state(storage: Storage, *, check_order: bool = True) -> CacheState:
                   f"{storage.url}/{INDEX_DIR}")
     table = BlockTable(records)
     _check_totals(head, table, storage)
+    per_input = np.bincount(records["input"], minlength=len(spec["inputs"])).astype(np.int64)
     return CacheState(2, spec, manifest["fingerprint"], head["complete"], dict(head["skipped"]),
-                      table, head, chunk)
+                      table, head, chunk, per_input)
 
 
 def refresh_state(storage: Storage, state: CacheState) -> CacheState:
@@ -228,17 +230,18 @@ def refresh_state(storage: Storage, state: CacheState) -> CacheState:
             "inputs" not in head and head["records"] < old["records"]):
         raise CacheFormatError(f"{storage.url}: committed blocks changed under the reader; the "
                                "cache was rebuilt while open; reopen it")
-    table = state.table
+    table, per_input = state.table, state.per_input
     if head["blocks"] > old["blocks"]:
+        n_inputs = len(state.spec["inputs"])
         more = read_index(storage, old["blocks"], head["blocks"], state.chunk_records)
-        counts = np.bincount(table.records["input"], minlength=len(state.spec["inputs"]))
-        last = _stream_key(table.records[-1:], len(state.spec["inputs"]))[0] if len(table) else -1
-        check_records(more, len(state.spec["inputs"]), counts, last, f"{storage.url}/{INDEX_DIR}",
+        last = _stream_key(table.records[-1:], n_inputs)[0] if len(table) else -1
+        check_records(more, n_inputs, per_input, last, f"{storage.url}/{INDEX_DIR}",
                       first=old["blocks"])
         table = table.extended(more)
+        per_input = per_input + np.bincount(more["input"], minlength=n_inputs)
     _check_totals(head, table, storage)
     return CacheState(2, state.spec, state.fingerprint, head["complete"], dict(head["skipped"]),
-                      table, head, state.chunk_records)
+                      table, head, state.chunk_records, per_input)
 
 
 def read_manifest(root: "str | os.PathLike | Storage", *, check_order: bool = True) -> dict[str, Any]:
