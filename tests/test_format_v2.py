@@ -149,6 +149,7 @@ def test_resuming_an_interrupted_v1_build_upgrades_it_and_ends_identical(tmp_pat
 
 # ---------------------------------------------------------------- crashes and growing caches
 
+@pytest.mark.slow
 def test_kill_9_at_commits_across_chunk_boundaries_then_resume_is_byte_identical(
         tmp_path, shards, gpt2_tokenizer_path):
     reference = _build(shards, tmp_path / "ref", gpt2_tokenizer_path, num_workers=1)
@@ -168,6 +169,7 @@ def test_kill_9_at_commits_across_chunk_boundaries_then_resume_is_byte_identical
     assert tree_bytes(str(out)) == tree_bytes(reference.path)
 
 
+@pytest.mark.slow
 def test_a_reader_follows_a_growing_cache_reading_only_new_commits(tmp_path, shards,
                                                                    gpt2_tokenizer_path):
     """Once a reader has the first index chunks, refresh() never reads them again: it works with

@@ -16,6 +16,7 @@ from torch.utils.data import Dataset
 from ._args import (INT64_MAX, POSITION_LIMIT, bool_arg, choice_arg, index_array, int_arg,
                     optional_int_arg)
 from .read import TokenCache
+from .remote_reads import SamplerReads
 
 __all__ = ["DocumentDataset", "TokenDataset"]
 
@@ -169,6 +170,17 @@ class TokenDataset(_GrowingDataset):
 
     def __repr__(self) -> str:
         return f"TokenDataset({self.cache!r}, seq_len={self.seq_len}, {len(self):,} samples)"
+
+    def follow_sampler(self, sampler) -> None:
+        """Tell the cache which windows ``sampler`` will read, in order: a remote cache with a
+        ``cache_limit`` then fetches them ahead and keeps the blocks needed soonest (nothing
+        happens for other caches). :class:`torchcache.DistributedSampler` calls this when it is
+        made over this dataset; the plan travels with the dataset into DataLoader workers.
+
+        >>> ds = tc.TokenDataset(tc.TokenCache(url, cache_limit="200GB"), 2048)  # doctest: +SKIP
+        >>> sampler = tc.DistributedSampler(ds, seed=0)  # calls ds.follow_sampler(sampler)  # doctest: +SKIP
+        """
+        self.cache.plan_reads(SamplerReads(sampler, self.seq_len))
 
     def read_windows(self, indices: Sequence[int]) -> np.ndarray:
         """Token windows (len(indices), seq_len + 1) in the cache's dtype, read in one call.

@@ -54,8 +54,9 @@ __all__ = ["LocalCopies", "Reservation", "Resident", "SessionStats", "STAT_FIELD
            "parse_size"]
 
 LOCK_NAME = ".copies.lock"
-_RESERVATION = re.compile(re.escape(TMP_MARK) + r"\d+-r\d+$")  # our reservations (stale ones are ours to delete)
-_BLOCK_COPY = re.compile(r"\d{6}-\d{6}\.safetensors$")
+# our reservations (a stale one, whose writer died, is ours to delete)
+_RESERVATION = re.compile(re.escape(TMP_MARK) + r"\d+-r\d+$")
+_BLOCK_COPY = re.compile(r"\d{6,}-\d{6,}\.safetensors$")
 
 # ---------------------------------------------------------------- sizes
 
@@ -89,7 +90,7 @@ def parse_size(value: Any, name: str = "cache_limit") -> int:
         except InvalidOperation:  # pragma: no cover - the pattern admits only decimals
             raise ValueError(f"{name}: cannot read the number in {value!r}") from None
     else:
-        if isinstance(value, bool) or getattr(value, "dtype", None) is not None and str(value.dtype) == "bool":
+        if isinstance(value, bool) or str(getattr(value, "dtype", "")) == "bool":
             raise TypeError(f"{name} must be a number of bytes (an int) or a string such as "
                             f"'200GB', not a bool ({value!r})")
         try:
@@ -338,9 +339,10 @@ class LocalCopies:
             os.close(fd)
 
     # -- readers
-    def open_copy(self, rel: str) -> tuple[str, int] | None:
+    def open_copy(self, rel: str, touch: bool = False) -> tuple[str, int] | None:
         """(path, descriptor) of a complete copy, now locked shared (released when the
-        descriptor is closed), or None when there is none (or it is being evicted)."""
+        descriptor is closed), or None when there is none (or it is being evicted). ``touch``
+        sets its mtime to now (recency, for eviction without a read plan)."""
         path = self.dir.path(rel)
         try:
             fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
@@ -358,8 +360,9 @@ class LocalCopies:
             if os.fstat(fd).st_nlink == 0:  # evicted between our open and our lock
                 os.close(fd)
                 return None
-            with contextlib.suppress(OSError):
-                os.utime(fd)  # recency, for eviction without a read plan (LRU)
+            if touch:
+                with contextlib.suppress(OSError):
+                    os.utime(fd)
         except BaseException:
             with contextlib.suppress(OSError):
                 os.close(fd)
@@ -452,6 +455,26 @@ class LocalCopies:
                 os.close(fd)
                 raise
             return "reserved", Reservation(self, path, tmp, fd, size, evicted), used + size
+
+    def wait_for(self, rel: str) -> bool:
+        """Wait until another process's download of ``rel`` ends (its reservation's lock is
+        released); True if the copy is there then. Waits on the lock, never on a timer."""
+        path = self.dir.path(rel)
+        folder, name = os.path.split(path)
+        try:
+            names = [n for n in os.listdir(folder) if n.startswith(name + TMP_MARK)]
+        except FileNotFoundError:
+            names = []
+        for tmp in names:
+            try:
+                fd = os.open(os.path.join(folder, tmp), os.O_RDONLY | os.O_CLOEXEC)
+            except FileNotFoundError:
+                continue
+            try:
+                fcntl.flock(fd, fcntl.LOCK_SH)  # granted when the writer commits or dies
+            finally:
+                os.close(fd)
+        return os.path.exists(path)
 
     def evict(self, keep_bytes: int, policy: Policy) -> list[Resident]:
         """Evict copies not in use, in ``policy``'s order, until at most ``keep_bytes`` are used

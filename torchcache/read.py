@@ -23,12 +23,13 @@ import numpy as np
 from tokenizers import Tokenizer
 
 from . import format as fmt
-from ._args import int_arg
+from ._args import index_array, int_arg
 from ._lru import LRUCache
 from .cache_files import check_block_file, load_keys, load_offsets, locate_cache, offsets_max_size
 from .errors import CacheFormatError
 from .ledger import CacheState, open_state, refresh_state
-# check_cache and friends live in torchcache.verify; re-exported here for callers not yet moved.
+from .local_copies import STAT_FIELDS, SessionStats, parse_size
+from .remote_reads import ArrayReads, BoundedReader, ReadOrder
 
 __all__ = ["TokenCache"]
 
@@ -155,6 +156,19 @@ os.register_at_fork(before=_POOL.before_fork, after_in_parent=_POOL.after_fork_i
                     after_in_child=_POOL.after_fork_in_child)
 
 
+def _tree_bytes(root: str) -> int:
+    """Apparent size of every regular file under ``root``."""
+    total = 0
+    for folder, _, names in os.walk(root):
+        for name in names:
+            try:
+                st = os.lstat(os.path.join(folder, name))
+            except FileNotFoundError:
+                continue
+            total += st.st_size
+    return total
+
+
 # ---------------------------------------------------------------- the reader
 
 class TokenCache:
@@ -172,17 +186,39 @@ class TokenCache:
         verify_checksums: check each file's checksum once, when first opened (slower start).
         storage_options: fsspec options of a remote cache (credentials, endpoint).
         local_dir: where a remote cache's files are copied (default
-            ``$TORCHCACHE_LOCAL_DIR`` or ``~/.cache/torchcache/remote``).
+            ``$TORCHCACHE_LOCAL_DIR`` or ``~/.cache/torchcache/remote``), in a folder named by
+            the cache's fingerprint. Every process of a machine may share it.
+        cache_limit: bound the local copies of a remote cache to this many bytes: an int, or a
+            string such as ``"200GB"`` or ``"500MiB"`` (KB, MB, GB: powers of 1000; KiB, MiB,
+            GiB: of 1024). Blocks that are not copied are read by ranged requests for just the
+            bytes asked; the copies kept are those the read plan needs soonest (see
+            :meth:`plan_reads`; a DistributedSampler gives its order to a TokenDataset by
+            itself); copies in use by any process are never evicted. None (the default): copy
+            every block read and keep it. Ignored for a local cache (read in place). All the
+            processes sharing ``local_dir`` should use the same limit.
+        fetch_threads: with ``cache_limit``, the most remote requests one process makes at once.
+        readahead: with ``cache_limit``, how many of its next planned reads a process fetches
+            ahead (whole blocks the policy keeps, ranged reads of the others).
+        lookahead: with ``cache_limit``, how many planned reads the eviction policy looks at.
 
     >>> cache = tc.TokenCache("runs/quickstart/cache")  # doctest: +SKIP
     >>> cache.num_tokens, cache.num_documents  # doctest: +SKIP
     (1419343, 14)
     >>> cache.decode(cache.read(0, 8))  # doctest: +SKIP
     'The Project Gutenberg eBook of Pride and'
+    >>> remote = tc.TokenCache("s3://bucket/cache", local_dir="/nvme/tc", cache_limit="200GB")  # doctest: +SKIP
+    >>> remote.stats()["hit_rate"]  # after some training  # doctest: +SKIP
+    0.25
     """
 
     def __init__(self, path: str | os.PathLike, *, verify_checksums: bool = False,
-                 storage_options: dict[str, Any] | None = None, local_dir: str | None = None):
+                 storage_options: dict[str, Any] | None = None, local_dir: str | None = None,
+                 cache_limit: int | str | None = None, fetch_threads: int = 16,
+                 readahead: int = 256, lookahead: int = 16384):
+        limit = None if cache_limit is None else parse_size(cache_limit, "cache_limit")
+        fetch_threads = int_arg(fetch_threads, "fetch_threads", 1, 1024)
+        readahead = int_arg(readahead, "readahead", 0, 1 << 20)
+        lookahead = int_arg(lookahead, "lookahead", 1, 1 << 24)
         self.verify_checksums = verify_checksums
         self._offsets: LRUCache[np.ndarray] = LRUCache(_MAX_CACHED_OFFSETS)
         self._keys_cache: LRUCache[list[str | None]] = LRUCache(_MAX_CACHED_KEYS)
@@ -192,6 +228,15 @@ class TokenCache:
         self.url, self.root = self._source.url, self._source.root
         self._remote = self._source.remote
         self._load(open_state(self._source.metadata))
+        self._bounded: BoundedReader | None = None
+        if self._remote is not None:
+            stats = SessionStats()
+            self._source.stats = stats
+            if limit is not None:
+                self._source.in_memory = True  # sidecars and tokenizer: read into memory, not copied
+                self._bounded = BoundedReader(self._source, limit, self.dtype.itemsize,
+                                              fetch_threads=fetch_threads, readahead=readahead,
+                                              lookahead=lookahead, stats=stats)
 
     def _init_process_state(self) -> None:
         """What never travels between processes: lock, open blocks, tokenizer."""
@@ -297,6 +342,8 @@ class TokenCache:
     @_locked
     def close(self) -> None:
         """Close this cache's open block files now (they are also closed when it is collected).
+        With a ``cache_limit``, also stop fetching ahead (waiting for the requests under way) and
+        release the local copies this process holds.
 
         The cache stays usable: a later read opens what it needs again.
 
@@ -307,6 +354,8 @@ class TokenCache:
                 _POOL.discard(block)
             self._open.clear()
             self._doomed.clear()
+        if self._bounded is not None:
+            self._bounded.close()
 
     def __del__(self) -> None:
         # No locks here (the collector may run inside the pool's own critical section): the pool
@@ -390,6 +439,11 @@ class TokenCache:
             raise IndexError(f"token range [{start}, {stop}) outside [0, {self.num_tokens})")
         if out is None:
             out = np.empty(stop - start, dtype=self.dtype)
+        if self._bounded is not None:
+            if stop > start:
+                self._bounded.read_many(self._table, self.dtype, np.array([start], dtype=np.int64),
+                                        stop - start, out.reshape(1, -1))
+            return out
         b = int(np.searchsorted(self._token_starts, start, side="right")) - 1
         pos = start
         view = memoryview(out.view(np.uint8))
@@ -437,6 +491,8 @@ class TokenCache:
             bad = starts[(starts < 0) | (starts + length > self.num_tokens)]
             first = int(bad[0]) if bad.size else int(starts[0])
             raise IndexError(f"token range [{first}, {first + length}) outside [0, {self.num_tokens})")
+        if self._bounded is not None:
+            return self._bounded.read_many(self._table, self.dtype, starts, length, out)
         item = self.dtype.itemsize
         nbytes = length * item
         blocks = np.searchsorted(self._token_starts, starts, side="right") - 1
@@ -460,6 +516,73 @@ class TokenCache:
             if got != nbytes:
                 self._read_fully(block, dest, got, block.data_start + offset)
         return out
+
+    # ------------------------------------------------------------ remote caches under a limit
+    @_locked
+    def plan_reads(self, order: ReadOrder | Any | None, length: int | None = None) -> None:
+        """Tell a remote cache with a ``cache_limit`` what this process reads next, in order, so it
+        fetches ahead and keeps the blocks needed soonest (a no-op for other caches).
+
+        ``order``: a :class:`torchcache.remote_reads.ReadOrder` (an endless order, e.g. a
+        sampler's), or the token starts of the next reads (an array) with their ``length`` in
+        tokens; None forgets the plan (eviction is then least recently used). A
+        :class:`torchcache.DistributedSampler` over a :class:`torchcache.TokenDataset` plans for
+        you (``ds.follow_sampler(sampler)``); the plan travels with the cache into DataLoader
+        workers.
+
+        >>> cache.plan_reads(np.array([4096, 0, 8192]) * 2048, length=2049)  # doctest: +SKIP
+        >>> rows = cache.read_many(np.array([4096, 0, 8192]) * 2048, 2049)  # doctest: +SKIP
+        """
+        if order is not None and not isinstance(order, ReadOrder):
+            starts = index_array(order, "order").reshape(-1)
+            if length is None:
+                raise TypeError("plan_reads(starts, length): give the length of the reads, in "
+                                "tokens, with an array of token starts")
+            order = ArrayReads(starts, int_arg(length, "length", 1))
+        elif order is not None and int_arg(order.length, "order.length", 1) < 1:
+            raise ValueError("order.length must be >= 1")
+        if self._bounded is not None:
+            self._bounded.set_order(order)
+
+    def stats(self) -> dict[str, Any]:
+        """Counters of remote reading since this cache was opened, summed over its DataLoader
+        workers: ``bytes_downloaded`` (all remote bytes), ``whole_block_downloads`` and
+        ``whole_block_bytes`` (block copies), ``ranged_reads`` and ``ranged_bytes`` (reads of
+        just a sample's bytes), ``other_bytes`` (offsets, keys, tokenizer), ``hits`` (reads
+        served from local copies), ``misses`` (reads that needed remote bytes; ``prefetched``
+        of them were fetched ahead), ``hit_rate``, ``evictions``, ``evicted_bytes``,
+        ``refused_copies`` (blocks read by range because no room was worth making),
+        ``local_bytes`` (the copy directory's size now) and ``cache_limit``. Hits and misses are
+        counted only under a ``cache_limit``; a local cache reports zeros.
+
+        >>> s = cache.stats()  # doctest: +SKIP
+        >>> s["bytes_downloaded"] / cache_bytes, s["hit_rate"]  # doctest: +SKIP
+        (1.21, 0.25)
+        """
+        if self._bounded is not None:
+            return self._bounded.stats()
+        totals: dict[str, Any] = dict.fromkeys(STAT_FIELDS, 0)
+        if self._source.stats is not None:
+            totals = self._source.stats.totals()
+        totals["hit_rate"] = None
+        totals["local_bytes"] = _tree_bytes(self.root) if self._remote is not None else 0
+        totals["cache_limit"] = None
+        return totals
+
+    @_locked
+    def evict(self, keep_bytes: int | str = 0) -> int:
+        """Delete local copies of a remote cache with a ``cache_limit`` until at most
+        ``keep_bytes`` remain (an int or a size string); copies in use by any process of the
+        machine stay. Returns the bytes freed. Those needed last go first.
+
+        >>> cache.evict("10GB")  # doctest: +SKIP
+        3221225472
+        """
+        keep = 0 if keep_bytes in (0, "0") else parse_size(keep_bytes, "keep_bytes")
+        if self._bounded is None:
+            raise ValueError(f"evict() needs a remote cache opened with cache_limit= ({self.url} "
+                             f"is {'remote without a limit' if self._remote else 'local'})")
+        return self._bounded.evict(self._table, keep)
 
     @staticmethod
     def _read_fully(block: _Block, dest: memoryview, got: int, offset: int) -> None:

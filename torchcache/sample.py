@@ -129,6 +129,10 @@ class DistributedSampler(Sampler[int]):
     :meth:`state_dict` records that *dispatched* position; :class:`torchcache.DataLoader`'s
     state records what the training loop *consumed* and drives this position itself.
 
+    Made over a dataset with a ``follow_sampler`` method (:class:`torchcache.TokenDataset`), it
+    hands the dataset its order, so a remote cache opened with a ``cache_limit`` fetches the
+    coming samples ahead and keeps the blocks needed soonest.
+
     With ``shuffle=False`` the first loader epoch is exactly torch's (which pads the last
     positions with the first indices, as the continuing stream does); torch repeats that epoch
     while this stream moves on, so later epochs agree only when ``W`` divides ``n``.
@@ -192,6 +196,10 @@ class DistributedSampler(Sampler[int]):
         self._generation = 0  # bumped by iter()/set_position(); stale iterators stop writing position
         self._position_version = 0  # bumped by every set_position (see position_version)
         self._perms: LRUCache[Permutation] = LRUCache(_PERM_CACHE)
+        # Remote caches under a cache_limit fetch ahead in this order (TokenDataset.follow_sampler).
+        follow = getattr(dataset, "follow_sampler", None)
+        if callable(follow):
+            follow(self)
 
     # -- the stream ---------------------------------------------------------------------------
 

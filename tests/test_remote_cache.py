@@ -1,0 +1,379 @@
+"""Remote caches bigger than the local disk: TokenCache(url, local_dir=..., cache_limit=...).
+
+A real moto S3 server on loopback (through s3fs), a real cache about 4x the limit. Nothing here
+depends on timing: concurrent runs only change how many bytes move, and the assertions are bounds
+that hold for every interleaving (the copy directory is checked at every batch).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import socket
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+import torch
+from conftest import paragraphs, write_jsonl
+
+import torchcache as tc
+from torchcache.local_copies import LocalCopies, parse_size
+
+BLOCK = 2_000  # tokens per block: ~40 blocks of ~4 KB
+SEQ = 64
+
+
+# ---------------------------------------------------------------- no server needed
+
+def test_parse_size_units_and_errors():
+    assert parse_size(4096) == 4096
+    assert parse_size(np.int64(10)) == 10
+    assert parse_size("200GB") == 200 * 10**9
+    assert parse_size("200 gb") == 200 * 10**9
+    assert parse_size("1.5TB") == 1_500_000_000_000
+    assert parse_size("500MiB") == 500 * 2**20
+    assert parse_size("2Gi") == 2 * 2**30
+    assert parse_size("10k") == 10_000
+    assert parse_size(" 7 ") == 7
+    assert parse_size("1.1GB") == 1_100_000_000  # exact decimal, no float rounding
+    assert parse_size("0.5KiB") == 512
+    for bad in ("lots", "10XB", "GB", "-5GB", "1e9", "", "5 G B"):
+        with pytest.raises(ValueError, match=r"cache_limit must be .*'200GB'.*got"):
+            parse_size(bad)
+    for bad in (0, -1, "0MB", "0.1B"):
+        with pytest.raises(ValueError, match="cache_limit must be at least 1 byte"):
+            parse_size(bad)
+    for bad in (1.5, True, None, [1]):
+        with pytest.raises(TypeError, match="cache_limit must be a number of bytes"):
+            parse_size(bad)
+    with pytest.raises(ValueError, match="keep_bytes"):
+        parse_size("x", "keep_bytes")
+
+
+def test_bad_cache_limit_is_refused_before_any_network_access():
+    with pytest.raises(ValueError, match="cache_limit"):
+        tc.TokenCache("s3://no-such-bucket/cache", cache_limit="a lot")
+    with pytest.raises(TypeError, match="fetch_threads"):
+        tc.TokenCache("s3://no-such-bucket/cache", cache_limit="1GB", fetch_threads=2.5)
+
+
+def test_local_cache_ignores_the_limit_and_reports_zeros(tmp_path, shards, gpt2_tokenizer_path):
+    built = tc.build_cache(shards[:1], tmp_path / "c", gpt2_tokenizer_path, block_tokens=BLOCK,
+                           progress=False)
+    cache = tc.TokenCache(built.path, cache_limit="1KB")  # read in place: nothing is copied
+    assert cache.read(0, 10).shape == (10,)
+    stats = cache.stats()
+    assert stats["bytes_downloaded"] == 0 and stats["hit_rate"] is None and stats["local_bytes"] == 0
+    with pytest.raises(ValueError, match="evict.*cache_limit"):
+        cache.evict()
+    cache.plan_reads(np.array([0, 100]), length=5)  # a no-op for a local cache
+
+
+def test_dead_writers_reservation_is_reclaimed(tmp_path):
+    """A download killed mid-way leaves a reservation whose lock is free: the next scan deletes
+    it, so its space is not lost forever."""
+    copies = LocalCopies(str(tmp_path), limit=1000)
+    os.makedirs(tmp_path / "blocks")
+    (tmp_path / "blocks" / "000000-000001.safetensors.tmp-4242-r0").write_bytes(b"\0" * 900)
+    assert copies.usage() == 900
+    status, reservation, used = copies.reserve("blocks/000000-000000.safetensors", 500,
+                                               lambda residents: ([], 0))
+    assert status == "reserved" and used == 500
+    assert sorted(p.name for p in (tmp_path / "blocks").iterdir()) == [
+        f"000000-000000.safetensors.tmp-{os.getpid()}-r0"]
+    reservation.commit(b"x" * 500)
+    assert (tmp_path / "blocks" / "000000-000000.safetensors").read_bytes() == b"x" * 500
+    assert copies.usage() == 500
+
+
+# ---------------------------------------------------------------- on S3 (moto)
+
+@pytest.fixture(scope="module")
+def s3():
+    """A moto S3 server on 127.0.0.1 with one bucket; yields its storage_options."""
+    moto_server = pytest.importorskip("moto.server")
+    pytest.importorskip("s3fs")
+    import boto3
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    port = sock.getsockname()[1]
+    sock.close()
+    server = moto_server.ThreadedMotoServer(ip_address="127.0.0.1", port=port, verbose=False)
+    server.start()
+    logging.getLogger("werkzeug").setLevel(logging.ERROR)
+    endpoint = f"http://127.0.0.1:{port}"
+    boto3.client("s3", endpoint_url=endpoint, region_name="us-east-1", aws_access_key_id="testing",
+                 aws_secret_access_key="testing").create_bucket(Bucket="bucket")
+    yield {"key": "testing", "secret": "testing",
+           "client_kwargs": {"endpoint_url": endpoint, "region_name": "us-east-1"}}
+    server.stop()
+
+
+@pytest.fixture(scope="module")
+def remote(tmp_path_factory, books, gpt2_tokenizer_path, s3):
+    """(url, local copy path, block bytes): a ~40-block cache built locally and uploaded."""
+    import s3fs
+    root = tmp_path_factory.mktemp("remote")
+    docs = paragraphs(books)
+    inputs = [write_jsonl(root / f"in{i}.jsonl", docs[i::3]) for i in range(3)]
+    built = tc.build_cache(inputs, root / "cache", gpt2_tokenizer_path, block_tokens=BLOCK,
+                           num_workers=1, progress=False)
+    s3fs.S3FileSystem(**s3).put(str(root / "cache"), "bucket/remote", recursive=True)
+    blocks = [p for p in (root / "cache" / "blocks").iterdir() if not p.name.endswith(".offsets.safetensors")]
+    assert len(blocks) == built.num_blocks >= 30
+    return "s3://bucket/remote", str(root / "cache"), sum(p.stat().st_size for p in blocks)
+
+
+def dir_bytes(root) -> int:
+    """Apparent size of every file under root, each file counted once (a file renamed while we
+    walk may be listed under both names: count inodes)."""
+    seen, total = set(), 0
+    for folder, _, names in os.walk(root):
+        for name in names:
+            try:
+                st = os.lstat(os.path.join(folder, name))
+            except FileNotFoundError:
+                continue
+            if st.st_ino not in seen:
+                seen.add(st.st_ino)
+                total += st.st_size
+    return total
+
+
+def epoch(ds, *, workers, shuffle=True, watch=None):
+    """The batches of one loader epoch; with ``watch``, the largest size of that directory seen
+    at any batch."""
+    loader = tc.DataLoader(ds, batch_size=8, sampler=tc.DistributedSampler(ds, seed=3, shuffle=shuffle),
+                           num_workers=workers)
+    batches, largest = [], 0
+    for batch in loader:
+        batches.append(batch["input_ids"])
+        if watch is not None:
+            largest = max(largest, dir_bytes(watch))
+    return batches, largest
+
+
+def same(a, b) -> bool:
+    return len(a) == len(b) and all(torch.equal(x, y) for x, y in zip(a, b))
+
+
+@pytest.mark.s3
+@pytest.mark.parametrize("workers", [0, 2])
+def test_shuffled_epoch_under_a_limit_a_quarter_of_the_cache(tmp_path, remote, s3, workers):
+    url, local, cache_bytes = remote
+    limit = cache_bytes // 4
+    copies = tmp_path / "copies"
+    cache = tc.TokenCache(url, storage_options=s3, local_dir=str(copies), cache_limit=limit)
+    got, largest = epoch(tc.TokenDataset(cache, SEQ), workers=workers, watch=copies)
+    want, _ = epoch(tc.TokenDataset(local, SEQ), workers=0)
+    assert same(got, want)  # exactly the samples of the local copy, in the same order
+    assert 0 < largest <= limit  # never above the limit, checked at every batch
+    cache.close()  # waits for what this process still fetches ahead (the next epoch's reads)
+    assert dir_bytes(copies) <= limit
+    stats = cache.stats()  # summed over the worker processes
+    assert stats["bytes_downloaded"] <= 3 * cache_bytes, stats
+    assert stats["whole_block_downloads"] >= 1 and stats["ranged_reads"] >= 1
+    assert stats["hits"] + stats["misses"] == sum(len(b) for b in got)  # each sample once
+    assert 0 < stats["hit_rate"] < 1 and stats["prefetched"] > 0
+    assert stats["local_bytes"] == dir_bytes(copies) and stats["cache_limit"] == limit
+    assert not [p for p in copies.rglob("*") if ".tmp-" in p.name]
+
+    # the same epoch again: the copies kept serve part of it
+    again, largest = epoch(tc.TokenDataset(cache, SEQ), workers=workers, watch=copies)
+    assert same(again, want) and largest <= limit
+    second = cache.stats()
+    assert second["bytes_downloaded"] - stats["bytes_downloaded"] <= 3 * cache_bytes
+    assert second["hits"] > stats["hits"]
+
+
+@pytest.mark.s3
+def test_eviction_under_two_workers_sharing_one_local_dir(tmp_path, remote, s3):
+    """In stream order each block is worth copying once it comes up: the copies turn over
+    (Belady evicts blocks already read), with two worker processes and the main process sharing
+    the directory, under the limit at every batch, and the samples stay exact."""
+    url, local, cache_bytes = remote
+    limit = cache_bytes // 4
+    copies = tmp_path / "copies"
+    # lookahead: less than an epoch (as in real training), so blocks already read are not needed
+    cache = tc.TokenCache(url, storage_options=s3, local_dir=str(copies), cache_limit=limit,
+                          lookahead=512)
+    got, largest = epoch(tc.TokenDataset(cache, SEQ), workers=2, shuffle=False, watch=copies)
+    want, _ = epoch(tc.TokenDataset(local, SEQ), workers=0, shuffle=False)
+    assert same(got, want)
+    assert largest <= limit
+    stats = cache.stats()
+    assert stats["evictions"] >= 1 and stats["whole_block_bytes"] > limit, stats
+    assert stats["bytes_downloaded"] <= 3 * cache_bytes, stats
+
+
+@pytest.mark.s3
+def test_persistent_workers_follow_the_stream_into_the_next_epoch(tmp_path, remote, s3):
+    """Persistent workers keep the plan they were started with: the stream goes on, so epoch 2
+    is still planned (read ahead), and exact."""
+    url, local, cache_bytes = remote
+    copies = tmp_path / "copies"
+    cache = tc.TokenCache(url, storage_options=s3, local_dir=str(copies), cache_limit=cache_bytes // 4)
+
+    def two_epochs(ds, workers):
+        loader = tc.DataLoader(ds, batch_size=8, sampler=tc.DistributedSampler(ds, seed=4),
+                               num_workers=workers, persistent_workers=workers > 0)
+        return [[b["input_ids"] for b in loader] for _ in range(2)]
+    got = two_epochs(tc.TokenDataset(cache, SEQ), 2)
+    want = two_epochs(tc.TokenDataset(local, SEQ), 0)
+    assert same(got[0], want[0]) and same(got[1], want[1]) and not same(got[0], got[1])
+    stats = cache.stats()
+    assert stats["hits"] + stats["misses"] == sum(len(b) for e in got for b in e)
+    assert stats["prefetched"] > stats["misses"] // 2, stats  # most remote reads were ahead
+    assert dir_bytes(copies) <= cache_bytes // 4
+
+
+@pytest.mark.s3
+def test_reads_without_a_plan_are_exact_and_bounded(tmp_path, remote, s3):
+    """Plain reads (no sampler): ranged reads and copies evicted least recently used first."""
+    url, local, _ = remote
+    ref = tc.TokenCache(local)
+    limit = 3 * 4_100
+    copies = tmp_path / "copies"
+    cache = tc.TokenCache(url, storage_options=s3, local_dir=str(copies), cache_limit=limit)
+    rng = np.random.default_rng(0)
+    for _ in range(60):
+        start = int(rng.integers(0, ref.num_tokens - 500))
+        stop = start + int(rng.integers(1, 500))
+        assert np.array_equal(cache.read(start, stop), ref.read(start, stop))
+        assert dir_bytes(copies) <= limit
+    starts = rng.integers(0, ref.num_tokens - 65, size=40)
+    assert np.array_equal(cache.read_many(starts, 65), ref.read_many(starts, 65))
+    for i in (0, 5, ref.num_documents - 1):  # offsets are read into memory, never copied
+        assert np.array_equal(cache.document(i), ref.document(i))
+    assert not [p for p in copies.rglob("*") if "offsets" in p.name]
+    assert dir_bytes(copies) <= limit
+
+
+@pytest.mark.s3
+def test_plan_reads_fetches_ahead(tmp_path, remote, s3):
+    url, local, _ = remote
+    ref = tc.TokenCache(local)
+    cache = tc.TokenCache(url, storage_options=s3, local_dir=str(tmp_path / "copies"),
+                          cache_limit=1, readahead=16)  # no block fits: every read is ranged
+    starts = np.random.default_rng(1).choice(ref.num_tokens - 100, size=64, replace=False)
+    cache.plan_reads(starts, length=100)
+    for i in range(0, 64, 8):
+        assert np.array_equal(cache.read_many(starts[i:i + 8], 100), ref.read_many(starts[i:i + 8], 100))
+    stats = cache.stats()
+    assert stats["whole_block_downloads"] == 0 and stats["hits"] == 0 and stats["local_bytes"] == 0
+    assert stats["prefetched"] == 56  # every batch after the first was fetched ahead
+    with pytest.raises(TypeError, match="length"):
+        cache.plan_reads(starts)
+
+
+@pytest.mark.s3
+def test_resumed_loader_follows_the_new_position(tmp_path, remote, s3):
+    url, local, _ = remote
+    cache = tc.TokenCache(url, storage_options=s3, local_dir=str(tmp_path / "copies"),
+                          cache_limit="12KB")
+    ds, ref = tc.TokenDataset(cache, SEQ), tc.TokenDataset(local, SEQ)
+
+    def loader(d):
+        return tc.DataLoader(d, batch_size=8, sampler=tc.DistributedSampler(d, seed=5))
+    first = loader(ds)
+    it = iter(first)
+    for _ in range(30):
+        next(it)
+    state = first.state_dict()
+    resumed, expected = loader(ds), loader(ref)
+    resumed.load_state_dict(state)
+    expected.load_state_dict(state)
+    assert same([b["input_ids"] for b in resumed], [b["input_ids"] for b in expected])
+    assert cache.stats()["prefetched"] > 0
+
+
+_HOLDER = """
+import json, sys
+import torchcache as tc
+url, options, local_dir, limit, stop = json.loads(sys.argv[1])
+cache = tc.TokenCache(url, storage_options=options, local_dir=local_dir, cache_limit=limit)
+cache.read(0, stop)  # block 0: copied (there is room) and now open, so locked shared
+print("holding", flush=True)
+sys.stdin.readline()
+"""
+
+
+@pytest.mark.s3
+def test_a_block_in_use_is_never_evicted(tmp_path, remote, s3):
+    url, local, _ = remote
+    ref = tc.TokenCache(local)
+    starts = ref.block_token_starts()
+    size0 = os.path.getsize(os.path.join(local, "blocks", "000000-000000.safetensors"))
+    local_dir = tmp_path / "copies"
+    limit = size0 + 100  # room for block 0 only
+    args = json.dumps([url, s3, str(local_dir), limit, int(starts[1])])
+    holder = subprocess.Popen([sys.executable, "-c", _HOLDER, args], stdin=subprocess.PIPE,
+                              stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline().strip() == "holding"
+        cache = tc.TokenCache(url, storage_options=s3, local_dir=str(local_dir), cache_limit=limit)
+        copy0 = local_dir / cache.fingerprint / "blocks" / "000000-000000.safetensors"
+        assert copy0.exists()
+        # block 1 needs room; the only copy is in use in the other process: read by range
+        b1 = (int(starts[1]), int(starts[2]))
+        assert np.array_equal(cache.read(*b1), ref.read(*b1))
+        assert cache.stats()["refused_copies"] >= 1 and cache.stats()["ranged_reads"] >= 1
+        assert copy0.exists() and dir_bytes(local_dir) <= limit
+        # an explicit eviction skips it too
+        assert cache.evict(0) == 0 and copy0.exists()
+        holder.stdin.write("done\n")
+        holder.stdin.flush()
+        assert holder.wait(timeout=60) == 0
+        # once nobody holds it, it can go
+        assert cache.evict(0) == size0 and not copy0.exists()
+        b2 = (int(starts[2]), int(starts[3]))
+        assert np.array_equal(cache.read(*b2), ref.read(*b2))  # there is room now: copied
+        assert cache.stats()["whole_block_downloads"] == 1 and dir_bytes(local_dir) <= limit
+    finally:
+        holder.kill()
+        holder.wait()
+
+
+@pytest.mark.s3
+def test_damaged_remote_blocks_are_reported_with_their_url(tmp_path, remote, s3):
+    """A whole-block copy is still verified by checksum (retried, then reported); a ranged read
+    of a missing file names it too."""
+    import s3fs
+    url, local, _ = remote
+    fs = s3fs.S3FileSystem(**s3)
+    fs.put(local, "bucket/damaged", recursive=True)
+    bad = "blocks/000000-000000.safetensors"  # block 0 of the stream
+    data = bytearray(fs.cat_file(f"bucket/damaged/{bad}"))
+    data[-3] ^= 0xFF
+    fs.pipe_file(f"bucket/damaged/{bad}", bytes(data))
+    damaged = "s3://bucket/damaged"
+    cache = tc.TokenCache(damaged, storage_options=s3, local_dir=str(tmp_path / "a"),
+                          cache_limit="1MB")  # room: block 0 is copied whole, and checked
+    with pytest.raises(tc.CacheFormatError, match=f"{damaged}/{bad}: download failed 3 times.*checksum"):
+        cache.read(0, 10)
+    assert not [p for p in (tmp_path / "a").rglob("*") if p.is_file() and p.name != ".copies.lock"]
+
+    starts = tc.TokenCache(local).block_token_starts()
+    missing = "blocks/000001-000000.safetensors"  # block 1 of the stream
+    fs.rm_file(f"bucket/damaged/{missing}")
+    ranged = tc.TokenCache(damaged, storage_options=s3, local_dir=str(tmp_path / "b"),
+                           cache_limit=1)  # nothing fits: ranged reads only
+    with pytest.raises(tc.CacheFormatError, match=f"{damaged}/{missing}: missing from the remote cache"):
+        ranged.read(int(starts[1]), int(starts[1]) + 10)
+
+
+@pytest.mark.s3
+def test_without_a_limit_every_block_read_is_copied_and_counted(tmp_path, remote, s3):
+    url, local, _ = remote
+    ref = tc.TokenCache(local)
+    cache = tc.TokenCache(url, storage_options=s3, local_dir=str(tmp_path / "copies"))
+    stop = int(ref.block_token_starts()[3])
+    assert np.array_equal(cache.read(0, stop), ref.read(0, stop))
+    stats = cache.stats()
+    copied = [p for p in (tmp_path / "copies").rglob("*.safetensors")]
+    assert stats["whole_block_downloads"] == len(copied) == 3 and stats["ranged_reads"] == 0
+    assert stats["bytes_downloaded"] == sum(p.stat().st_size for p in copied)
+    assert stats["cache_limit"] is None and stats["local_bytes"] == stats["bytes_downloaded"]
