@@ -98,6 +98,7 @@ def _info(path) -> str:
     return done.stdout.splitlines()[0]
 
 
+@pytest.mark.slow
 def test_info_tells_an_interrupted_build_from_a_running_one(tmp_path, shards, gpt2_tokenizer_path):
     out = tmp_path / "out"
     killed = _run_script(tmp_path, f"""

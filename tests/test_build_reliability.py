@@ -105,6 +105,7 @@ def test_a_plain_script_without_main_guard_builds_with_two_workers(tmp_path, sha
 
 # ---------------------------------------------------------------- 9. inputs edited in place
 
+@pytest.mark.slow
 def test_an_input_edited_in_place_between_kill_and_resume_is_refused(tmp_path, shards,
                                                                     gpt2_tokenizer_path):
     out = tmp_path / "cache"
@@ -122,6 +123,7 @@ def test_an_input_edited_in_place_between_kill_and_resume_is_refused(tmp_path, s
     assert tree_bytes(str(out)) == before
 
 
+@pytest.mark.slow
 def test_an_unchanged_input_resumes_after_kill_to_the_same_bytes(tmp_path, shards, gpt2_tokenizer_path):
     reference = _build(shards, tmp_path / "ref", gpt2_tokenizer_path)
     out = tmp_path / "cache"

@@ -134,6 +134,7 @@ def test_an_interrupted_upgrade_leaves_a_readable_v1_cache_and_can_be_rerun(buil
     assert tree_bytes(str(v1)) == tree_bytes(str(built))
 
 
+@pytest.mark.slow
 def test_resuming_an_interrupted_v1_build_upgrades_it_and_ends_identical(tmp_path, shards,
                                                                          gpt2_tokenizer_path):
     reference = _build(shards, tmp_path / "ref", gpt2_tokenizer_path, num_workers=1)
@@ -251,6 +252,9 @@ DAMAGE = {
 }
 
 
+CLI_CHECKED = ("head not json", "records swapped", "chunk size")
+
+
 @pytest.mark.parametrize("name", sorted(DAMAGE))
 def test_a_damaged_v2_file_is_an_error_naming_it(built, tmp_path, name):
     root = Path(shutil.copytree(built, tmp_path / name.replace(" ", "_")))
@@ -261,9 +265,10 @@ def test_a_damaged_v2_file_is_an_error_naming_it(built, tmp_path, name):
     assert file in str(info.value)
     problems = tc.check_cache(root)
     assert problems and file in problems[0].message
-    cli = subprocess.run([sys.executable, "-m", "torchcache", "verify", str(root)],
-                         capture_output=True, text=True, timeout=120)
-    assert cli.returncode == 1 and file in cli.stderr and "Traceback" not in cli.stderr
+    if name in CLI_CHECKED:  # the command line reports what check_cache does (a subprocess each)
+        cli = subprocess.run([sys.executable, "-m", "torchcache", "verify", str(root)],
+                             capture_output=True, text=True, timeout=120)
+        assert cli.returncode == 1 and file in cli.stderr and "Traceback" not in cli.stderr
 
 
 def test_a_damaged_commit_log_of_an_interrupted_build_is_reported(tmp_path, shards, gpt2_tokenizer_path):

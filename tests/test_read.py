@@ -129,6 +129,7 @@ def test_block_files_are_standard_safetensors(cache_dir):
     assert np.array_equal(tokens, cache.read(start, start + len(tokens)))
 
 
+@pytest.mark.slow
 def test_cli_build_info_show_verify(tmp_path, books, gpt2_tokenizer_path):
     docs = paragraphs(books, 50)
     src = write_jsonl(tmp_path / "d.jsonl", docs)

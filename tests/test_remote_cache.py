@@ -160,6 +160,7 @@ def same(a, b) -> bool:
     return len(a) == len(b) and all(torch.equal(x, y) for x, y in zip(a, b))
 
 
+@pytest.mark.slow
 @pytest.mark.s3
 @pytest.mark.parametrize("workers", [0, 2])
 def test_shuffled_epoch_under_a_limit_a_quarter_of_the_cache(tmp_path, remote, s3, workers):

@@ -129,6 +129,7 @@ def test_reader_during_background_build_sees_only_complete_blocks(tmp_path, big_
         assert all(entry in final_blocks for entry in manifest["pending"])
 
 
+@pytest.mark.slow
 def test_a_reader_follows_a_build_that_grows_in_steps(tmp_path, big_shards, gpt2_tokenizer_path):
     """The build is killed at a commit, resumed, killed again...: between steps the reader's view
     must have grown, hold exactly the final cache's first blocks, and never be complete early."""
