@@ -105,15 +105,14 @@ def parse_size(value: Any, name: str = "cache_limit") -> int:
 
 # ---------------------------------------------------------------- downloads
 
-def fetch_verified(storage: RemoteStorage, rel: str, checksum: str | None, attempts: int = 3,
-                   max_size: int | None = None) -> bytes:
-    """The whole remote file ``rel``, checked against ``checksum``; retried on network errors and
-    on a mismatch, then a CacheFormatError naming the URL. With ``max_size``, at most that many
-    bytes (+1) are fetched and a larger file is refused."""
+def _fetch_with_retries(storage: RemoteStorage, rel: str, attempts: int, fetch: Callable[[], bytes],
+                        check: Callable[[bytes], str | None], failed: str, why: str) -> bytes:
+    """``fetch()`` retried on network errors and while ``check`` (which raises for a fatal
+    problem) names one, then a CacheFormatError naming the URL: "`failed` N times (...); `why`"."""
     problem = ""
     for attempt in range(attempts):
         try:
-            data = storage.read(rel) if max_size is None else storage.read_range(rel, 0, max_size + 1)
+            data = fetch()
         except FileNotFoundError:
             raise CacheFormatError(f"{storage.url}/{rel}: missing from the remote cache; "
                                    "run `torchcache verify` on it") from None
@@ -121,40 +120,45 @@ def fetch_verified(storage: RemoteStorage, rel: str, checksum: str | None, attem
             problem = f"{type(e).__name__}: {e}"
             time.sleep(0.2 * (attempt + 1))
             continue
+        problem = check(data) or ""
+        if not problem:
+            return data
+    raise CacheFormatError(f"{storage.url}/{rel}: {failed} {attempts} times ({problem}); {why}")
+
+
+def fetch_verified(storage: RemoteStorage, rel: str, checksum: str | None, attempts: int = 3,
+                   max_size: int | None = None) -> bytes:
+    """The whole remote file ``rel``, checked against ``checksum``; retried on network errors and
+    on a mismatch, then a CacheFormatError naming the URL. With ``max_size``, at most that many
+    bytes (+1) are fetched and a larger file is refused."""
+    def check(data: bytes) -> str | None:
         if max_size is not None and len(data) > max_size:
             raise CacheFormatError(f"{storage.url}/{rel}: more than the {max_size:,} bytes its "
                                    "manifest entry allows: the remote file is corrupted or "
                                    "replaced; run `torchcache verify` on it")
         actual = "sha256:" + hashlib.sha256(data).hexdigest()
         if checksum is not None and actual != checksum:
-            problem = f"checksum mismatch (got {actual[:19]}..., manifest says {checksum[:19]}...)"
-            continue
-        return data
-    raise CacheFormatError(f"{storage.url}/{rel}: download failed {attempts} times "
-                           f"({problem}); the remote file is corrupted or unreachable")
+            return f"checksum mismatch (got {actual[:19]}..., manifest says {checksum[:19]}...)"
+        return None
+
+    fetch = (lambda: storage.read(rel)) if max_size is None else (
+        lambda: storage.read_range(rel, 0, max_size + 1))
+    return _fetch_with_retries(storage, rel, attempts, fetch, check, "download failed",
+                               "the remote file is corrupted or unreachable")
 
 
 def fetch_range(storage: RemoteStorage, rel: str, start: int, stop: int, attempts: int = 3) -> bytes:
     """Bytes [start, stop) of remote file ``rel`` in one ranged request, retried on network
     errors; a short answer or a missing file is a CacheFormatError naming the URL."""
-    problem = ""
-    for attempt in range(attempts):
-        try:
-            data = storage.read_range(rel, start, stop)
-        except FileNotFoundError:
-            raise CacheFormatError(f"{storage.url}/{rel}: missing from the remote cache; "
-                                   "run `torchcache verify` on it") from None
-        except Exception as e:  # network trouble: try again, then report it
-            problem = f"{type(e).__name__}: {e}"
-            time.sleep(0.2 * (attempt + 1))
-            continue
+    def check(data: bytes) -> None:
         if len(data) != stop - start:
             raise CacheFormatError(
                 f"{storage.url}/{rel}: a read of bytes [{start}, {stop}) returned {len(data)} "
                 "bytes; the remote file is truncated or replaced: run `torchcache verify` on it")
-        return data
-    raise CacheFormatError(f"{storage.url}/{rel}: ranged read of bytes [{start}, {stop}) failed "
-                           f"{attempts} times ({problem}); the remote cache is unreachable")
+
+    return _fetch_with_retries(storage, rel, attempts, lambda: storage.read_range(rel, start, stop),
+                               check, f"ranged read of bytes [{start}, {stop}) failed",
+                               "the remote cache is unreachable")
 
 
 # ---------------------------------------------------------------- the counters
