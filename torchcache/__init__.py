@@ -23,6 +23,7 @@ _LAZY = {
     "DocumentDataset": ".dataset",
     "MixtureDataset": ".mix",
     "MixtureSchedule": ".schedule",
+    "PackedDataset": ".packed",
     "TokenDataset": ".dataset",
     "packed_collate": ".collate",
     "pad_collate": ".collate",
@@ -31,7 +32,7 @@ _LAZY = {
 __all__ = [
     "BuildError", "BuildHandle", "BuildResult", "CacheFormatError", "DataLoader",
     "DistributedSampler", "DocumentDataset", "InputChangedError", "InputError", "MixtureDataset",
-    "MixtureSchedule", "Problem", "RepairResult", "TokenCache", "TokenDataset", "build_cache",
+    "MixtureSchedule", "PackedDataset", "Problem", "RepairResult", "TokenCache", "TokenDataset", "build_cache",
     "check_cache", "convert_webdataset", "packed_collate", "pad_collate", "repair_cache",
     "verify_cache",
 ]

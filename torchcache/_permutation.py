@@ -27,7 +27,7 @@ from typing import Any, Callable
 
 import numpy as np
 
-__all__ = ["PERMUTATION_ALGORITHM", "Permutation", "derive_key", "permute"]
+__all__ = ["PERMUTATION_ALGORITHM", "Permutation", "derive_key", "mix64", "permute"]
 
 #: Recorded in saved training state; bump whenever any output could change.
 PERMUTATION_ALGORITHM = "feistel-fmix64-v1"
@@ -38,7 +38,7 @@ _MAX_N = 1 << 63  # outputs must fit in int64
 _MIN_ROUNDS = 6
 
 
-def _mix64(z: Any) -> Any:
+def mix64(z: Any) -> Any:
     """splitmix64 finaliser: a bijective 64-bit mixer with full avalanche.
 
     Works on Python ints < 2**64 and on numpy uint64 arrays alike.
@@ -93,7 +93,7 @@ class Permutation:
         self.rounds = rounds
         bits = max(1, (n - 1).bit_length())  # smallest k with 2**k >= n (k >= 1)
         self._widths = (bits // 2, bits - bits // 2)  # (high half, low half)
-        self._round_keys = [_mix64((key + (i + 1) * _GOLDEN) & _M64) for i in range(rounds)]
+        self._round_keys = [mix64((key + (i + 1) * _GOLDEN) & _M64) for i in range(rounds)]
 
     def __repr__(self) -> str:
         return f"Permutation(n={self.n}, key={self.key:#018x}, rounds={self.rounds})"
@@ -103,7 +103,7 @@ class Permutation:
         a, b = self._widths
         for rk in self._round_keys:
             left, right = v >> b, v & ((1 << b) - 1)
-            v = (right << a) | (left ^ (_mix64(right ^ rk) & ((1 << a) - 1)))
+            v = (right << a) | (left ^ (mix64(right ^ rk) & ((1 << a) - 1)))
             a, b = b, a
         return v
 
@@ -114,7 +114,7 @@ class Permutation:
             a, b = b, a
         for rk in reversed(self._round_keys):
             old_right, cur_right = v >> b, v & ((1 << b) - 1)
-            v = ((cur_right ^ (_mix64(old_right ^ rk) & ((1 << b) - 1))) << a) | old_right
+            v = ((cur_right ^ (mix64(old_right ^ rk) & ((1 << b) - 1))) << a) | old_right
             a, b = b, a
         return v
 

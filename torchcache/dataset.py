@@ -18,10 +18,10 @@ from ._args import (INT64_MAX, POSITION_LIMIT, bool_arg, choice_arg, index_array
 from .read import TokenCache
 from .remote_reads import SamplerReads
 
-__all__ = ["DocumentDataset", "TokenDataset"]
+__all__ = ["DocumentDataset", "GrowingDataset", "TokenDataset", "open_cache"]
 
 
-def _open(cache: TokenCache | str | os.PathLike) -> TokenCache:
+def open_cache(cache: TokenCache | str | os.PathLike) -> TokenCache:
     """``cache`` itself, or the cache at that path or URL; TypeError for anything else."""
     if isinstance(cache, TokenCache):
         return cache
@@ -34,8 +34,8 @@ def _open(cache: TokenCache | str | os.PathLike) -> TokenCache:
 _WINDOWS = "__torchcache_windows__"  # the key of the token windows in a compact batch
 
 
-class _GrowingDataset(Dataset):
-    """Shared behaviour for datasets over a cache that may still be growing."""
+class GrowingDataset(Dataset):
+    """Shared behaviour of the datasets over a cache that may still be growing (not exported)."""
 
     cache: TokenCache
 
@@ -81,8 +81,7 @@ class _GrowingDataset(Dataset):
         n = len(self)
         if idx.size and (idx.max() >= n or idx.min() < -n):
             if idx.max() >= n and not self.cache.complete:
-                self.cache.refresh()  # a worker's copy may lag the sampler's view of a growing cache
-                n = len(self)
+                n = self.refresh()  # a worker's copy may lag the sampler's view of a growing cache
             bad = idx[(idx >= n) | (idx < -n)]
             if bad.size:
                 raise IndexError(self._out_of_range(int(bad[0]), n))
@@ -99,7 +98,7 @@ class _GrowingDataset(Dataset):
         return f"index {index} out of range for {type(self).__name__} of length {n}"
 
 
-class TokenDataset(_GrowingDataset):
+class TokenDataset(GrowingDataset):
     """Fixed-length training samples cut from the cache's global token stream.
 
     Sample s is the window of seq_len + 1 tokens starting at s * seq_len (consecutive windows
@@ -128,7 +127,7 @@ class TokenDataset(_GrowingDataset):
         self.document_boundaries = bool_arg(document_boundaries, "document_boundaries")
         max_segments = optional_int_arg(max_segments, "max_segments", 1, self.seq_len)
         self.max_segments = self.seq_len if max_segments is None else max_segments
-        self.cache = _open(cache)
+        self.cache = open_cache(cache)
         self._require_one_sample()
 
     def _require_one_sample(self) -> None:
@@ -280,7 +279,7 @@ class TokenDataset(_GrowingDataset):
         return position_ids, cu, len(cuts) - 1
 
 
-class DocumentDataset(_GrowingDataset):
+class DocumentDataset(GrowingDataset):
     """One document per item, as stored (with its BOS/EOS), as a LongTensor.
 
     Documents differ in length, so batch them with :func:`torchcache.pad_collate` (a padded
@@ -294,7 +293,7 @@ class DocumentDataset(_GrowingDataset):
     """
 
     def __init__(self, cache: TokenCache | str | os.PathLike):
-        self.cache = _open(cache)
+        self.cache = open_cache(cache)
 
     @property
     def fingerprint(self) -> str:

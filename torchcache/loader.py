@@ -22,6 +22,7 @@ from ._args import bool_arg, int_arg, number_arg, optional_int_arg
 from ._permutation import PERMUTATION_ALGORITHM
 from ._state import check_state
 from .dataset import TokenDataset
+from .packed import PackedDataset
 from .sample import DistributedSampler, dataset_length
 
 __all__ = ["DataLoader"]
@@ -62,20 +63,20 @@ class DataLoader(torch.utils.data.DataLoader):
     default; 2-4 is plenty). A daemon thread of this process reads whole batches ahead of the
     training loop into a queue of N batches; pread, numpy and torch copies release the GIL, so
     reading overlaps the training step, and no int64 batch is copied between processes. With no
-    ``collate_fn``, a :class:`~torchcache.TokenDataset` makes each batch in one call
-    (``get_batch``: the same tensors as the default collate). This is the recommended
-    setting for ``TokenDataset`` (the README's Performance section has the measured figures,
+    ``collate_fn``, a :class:`~torchcache.TokenDataset` or :class:`~torchcache.PackedDataset`
+    makes each batch in one call (``get_batch``: the same tensors as the default collate). This
+    is the recommended setting for both (the README's Performance section has the measured figures,
     from ``tools/bench_read.py``). Use worker
     processes instead when making a batch is heavy Python work (custom transforms), which would
     hold the GIL against the training loop.
 
     **Compact transfer** (``compact_transfer=True``, the default): with worker processes, no
-    ``collate_fn`` and a :class:`~torchcache.TokenDataset`, workers send each batch as its token
-    windows in the cache's dtype (uint16: 8x less data than two int64 tensors) and this process
-    widens them to the usual int64 ``input_ids``/``labels``. The batches are identical. The
+    ``collate_fn`` and a :class:`~torchcache.TokenDataset` (or ``PackedDataset``), workers send
+    each batch as its tokens in the cache's dtype (uint16: 8x less data than two int64 tensors)
+    and this process widens them to the usual int64 ``input_ids``/``labels``. The batches are identical. The
     workers then belong to an inner torch DataLoader over a view of the dataset whose items are
     those windows (``get_worker_info().dataset`` is that view; its ``dataset`` attribute is the
-    TokenDataset); ``loader.dataset`` is the dataset given.
+    dataset given); ``loader.dataset`` is the dataset given.
 
     Resume stays exact: :meth:`state_dict` counts the batches the loop received, and prefetched
     ones are read again after resume. A new ``iter()`` or :meth:`load_state_dict` stops the
@@ -165,7 +166,7 @@ class DataLoader(torch.utils.data.DataLoader):
         # cache's dtype; this process widens each batch to int64 (see _expanded).
         self._compact_loader: torch.utils.data.DataLoader | None = None
         if (compact_transfer and num_workers and collate_fn is None and batch_size is not None
-                and _plain_token_dataset(dataset)):
+                and _batched_dataset(dataset)):
             self._compact_loader = torch.utils.data.DataLoader(
                 _WorkerWindows(dataset), batch_size=batch_size, sampler=sampler,
                 num_workers=num_workers, pin_memory=False, drop_last=drop_last, timeout=timeout,
@@ -233,7 +234,7 @@ class DataLoader(torch.utils.data.DataLoader):
         dataset, size = self.dataset, self.batch_size
         device = _pin_device() if self.pin_memory else None
         get_batch = None  # TokenDataset's batched read, unless a subclass changed what items are
-        if self._use_get_batch and _plain_token_dataset(dataset):
+        if self._use_get_batch and _batched_dataset(dataset):
             get_batch = dataset.get_batch
         get_items = getattr(dataset, "__getitems__", None)
         while True:
@@ -359,13 +360,16 @@ def _check_loader_args(*, batch_size: Any, shuffle: Any, num_workers: Any, pin_m
     bool_arg(compact_transfer, "compact_transfer")
 
 
-def _plain_token_dataset(dataset: Any) -> bool:
-    """A TokenDataset whose items are the standard ones (no subclass changed __getitems__)."""
-    return isinstance(dataset, TokenDataset) and type(dataset).__getitems__ is TokenDataset.__getitems__
+def _batched_dataset(dataset: Any) -> bool:
+    """A TokenDataset or PackedDataset whose items are the standard ones (no subclass changed
+    __getitems__): its batches are read whole (get_batch) or sent compact (compact_batch)."""
+    return any(isinstance(dataset, kind) and type(dataset).__getitems__ is kind.__getitems__
+               for kind in (TokenDataset, PackedDataset))
 
 
 class _WorkerWindows(torch.utils.data.Dataset):
-    """A TokenDataset seen as its raw token windows: what workers read for compact transfer.
+    """A TokenDataset (or PackedDataset) seen as its compact batches' rows: what workers read
+    for compact transfer.
 
     Item ``i`` is window ``i`` in the cache's dtype (viewed as a signed torch type), with the
     document-boundary fields when the dataset has them. ``__getitems__`` is one batched read,
@@ -374,7 +378,7 @@ class _WorkerWindows(torch.utils.data.Dataset):
     widens in the main process.
     """
 
-    def __init__(self, dataset: TokenDataset) -> None:
+    def __init__(self, dataset: TokenDataset | PackedDataset) -> None:
         self.dataset = dataset
 
     def __len__(self) -> int:

@@ -27,7 +27,7 @@ from ._args import index_array, int_arg
 from ._lru import LRUCache
 from .cache_files import check_block_file, load_keys, load_offsets, locate_cache, offsets_max_size
 from .errors import CacheFormatError
-from .ledger import CacheState, open_state, refresh_state
+from .ledger import BlockTable, CacheState, open_state, refresh_state
 from .local_copies import STAT_FIELDS, SessionStats, parse_size
 from .remote_reads import ArrayReads, BoundedReader, ReadOrder
 
@@ -314,6 +314,11 @@ class TokenCache:
         """The id put before each document, or None."""
         return self.spec["bos_id"]
 
+    @property
+    def block_table(self) -> BlockTable:
+        """The committed blocks' index records (sizes, counts, raw checksums), one per block."""
+        return self._table
+
     def block_token_starts(self) -> np.ndarray:
         """Global token offset where each block starts, plus the total at the end.
 
@@ -514,6 +519,58 @@ class TokenCache:
             except OSError as e:
                 raise OSError(e.errno, f"{block.path}: {e.strerror}") from e
             if got != nbytes:
+                self._read_fully(block, dest, got, block.data_start + offset)
+        return out
+
+    @_locked
+    def read_ranges(self, starts: np.ndarray, lengths: np.ndarray, out: np.ndarray,
+                    out_offsets: np.ndarray) -> np.ndarray:
+        """Many token ranges of different lengths in one call: range ``k`` (tokens
+        ``[starts[k], starts[k] + lengths[k])``) goes to ``out.reshape(-1)[out_offsets[k]:]``.
+
+        One pread per range that lies inside one block (a range crossing blocks goes through
+        :meth:`read`). ``out`` is a C-contiguous array of the cache's dtype.
+
+        >>> flat = np.empty(10, dtype=cache.dtype)  # doctest: +SKIP
+        >>> cache.read_ranges(np.array([100, 0]), np.array([4, 6]), flat, np.array([0, 4]))  # doctest: +SKIP
+        """
+        starts = np.asarray(starts, dtype=np.int64).reshape(-1)
+        lengths = np.asarray(lengths, dtype=np.int64).reshape(-1)
+        out_offsets = np.asarray(out_offsets, dtype=np.int64).reshape(-1)
+        flat_out = out.reshape(-1)
+        if out.dtype != self.dtype or not out.flags.c_contiguous:
+            raise ValueError(f"out must be a C-contiguous {self.dtype} array")
+        if not len(starts) == len(lengths) == len(out_offsets):
+            raise ValueError("starts, lengths and out_offsets must have the same length")
+        if starts.size == 0:
+            return out
+        if ((lengths < 0).any() or starts.min() < 0 or int((starts + lengths).max()) > self.num_tokens
+                or out_offsets.min() < 0 or int((out_offsets + lengths).max()) > flat_out.size):
+            raise IndexError(f"a token range outside [0, {self.num_tokens}) or past the end of out")
+        if self._bounded is not None:
+            for start, length, at in zip(starts.tolist(), lengths.tolist(), out_offsets.tolist()):
+                self.read(start, start + length, out=flat_out[at:at + length])
+            return out
+        item = self.dtype.itemsize
+        blocks = np.searchsorted(self._token_starts, starts, side="right") - 1
+        inside = starts + lengths <= self._token_starts[np.minimum(blocks + 1, len(self._token_starts) - 1)]
+        offsets = (starts - self._token_starts[blocks]) * item
+        view = memoryview(flat_out.view(np.uint8))
+        opened = self._open
+        for b, offset, length, at, simple in zip(blocks.tolist(), offsets.tolist(), lengths.tolist(),
+                                                 out_offsets.tolist(), inside.tolist()):
+            if not simple:
+                start = int(self._token_starts[b]) + offset // item
+                self.read(start, start + length, out=flat_out[at:at + length])
+                continue
+            block = opened.get(b) or self._open_block(b)
+            block.used = True
+            dest = view[at * item:(at + length) * item]
+            try:
+                got = os.preadv(block.fd, [dest], block.data_start + offset)
+            except OSError as e:
+                raise OSError(e.errno, f"{block.path}: {e.strerror}") from e
+            if got != length * item:
                 self._read_fully(block, dest, got, block.data_start + offset)
         return out
 
