@@ -76,7 +76,7 @@ def pack_block(offsets: np.ndarray, seq_len: int, *, long_docs: str = "split",
     ties = mix64(item_start.astype(np.uint64) ^ np.uint64(derive_key(seed, "pack-ties", block)))
     key = ((np.uint64(C) - item_len.astype(np.uint64)) << np.uint64(64 - length_bits)) | (
         ties >> np.uint64(length_bits))
-    order = np.argsort(key)
+    order = np.argsort(key, kind="stable")
     item_start, item_len, item_continues = item_start[order], item_len[order], item_continues[order]
     row_of = _best_fit_decreasing(item_len, C, limit)
 
