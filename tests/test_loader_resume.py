@@ -168,6 +168,20 @@ def test_unaligned_elastic_resume_loses_and_repeats_nothing():
     assert set(counts.tolist()) <= {end // n, end // n + 1} and counts.sum() == end
 
 
+def test_a_version_1_state_still_loads():
+    """States saved before version 2 (which added "schedule") resume as they did."""
+    loader = make_loader(50, 5)
+    it = iter(loader)
+    next(it), next(it)
+    old = {k: v for k, v in loader.state_dict().items() if k != "schedule"}
+    old["version"] = 1
+    fresh = make_loader(50, 5)
+    fresh.load_state_dict(old)
+    assert fresh.consumed == 10
+    with pytest.raises(ValueError, match="unknown"):
+        fresh.load_state_dict({**old, "schedule": None})
+
+
 def _state(**changes):
     state = make_loader(50, 5).state_dict()
     state.update(changes)
@@ -178,7 +192,7 @@ def _state(**changes):
     "state, match",
     [
         (_state(fingerprint="another-cache"), "fingerprint"),
-        (_state(version=2), "version"),
+        (_state(version=3), "version"),
         (_state(format="something-else"), "format"),
         (_state(algorithm="affine-v0"), "algorithm"),
         (_state(num_samples=51), "num_samples"),

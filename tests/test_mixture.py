@@ -320,8 +320,9 @@ def test_clear_errors(args, kwargs, error, match):
         MixtureDataset(*args, **kwargs)
 
 
-def test_empty_source_with_zero_weight_is_fine_and_default_weights_follow_lengths():
-    MixtureDataset({"a": Src(5), "b": Src(0)}, {"a": 1, "b": 0})
+def test_an_empty_source_is_refused_even_with_weight_zero_and_default_weights_follow_lengths():
+    with pytest.raises(ValueError, match="'b' is empty"):
+        MixtureDataset({"a": Src(5), "b": Src(0)}, {"a": 1, "b": 0})
     mix = MixtureDataset({"a": Src(30), "b": Src(10)}, block_size=4)
     assert mix.stages[0][1] == {"a": Fraction(3, 4), "b": Fraction(1, 4)}
     assert len(mix) == 40
@@ -457,7 +458,8 @@ def test_resume_with_workers_continues_the_stream():
     head = run_until(first, 13)  # inside loader epoch 1
     assert head == reference[:13]
     state = json.loads(json.dumps(first.state_dict()))
-    assert state["consumed"] == 52 and state["fingerprint"] == mix.fingerprint
+    assert state["consumed"] == 52 and state["fingerprint"] == mix.resume_fingerprint(52)
+    assert state["schedule"] == mix.resume_prefix(52)
     second = mix_loader(b, num_workers=2)
     second.load_state_dict(state)
     assert head + run_until(second, len(reference) - 13) == reference
@@ -491,7 +493,7 @@ def test_loader_refuses_a_state_from_other_weights():
     other = MixtureDataset({"a": Src(23, 0), "b": Src(11, 1000)}, {"a": 1, "b": 1}, seed=4,
                            block_size=6, num_samples=40)
     fresh = tc.DataLoader(other, batch_size=4, sampler=tc.DistributedSampler(other))
-    with pytest.raises(ValueError, match="fingerprint"):
+    with pytest.raises(ValueError, match="first differ at mixture index 0"):
         fresh.load_state_dict(state)
 
 

@@ -45,6 +45,14 @@ def _fingerprint_field(value: Any, name: str) -> str | int | None:
     return int_arg(value, name, minimum=None)
 
 
+def _optional_mapping_field(value: Any, name: str) -> dict[str, Any] | None:
+    if value is None:
+        return None
+    if not isinstance(value, Mapping):
+        raise TypeError(f"{name} must be a dict or null, got {type(value).__name__}")
+    return dict(value)
+
+
 #: How each field a state may hold is checked (a TypeError/ValueError naming ``state[field]``).
 _STATE_FIELDS: dict[str, Callable[[Any, str], Any]] = {
     "format": _text_field,
@@ -61,6 +69,7 @@ _STATE_FIELDS: dict[str, Callable[[Any, str], Any]] = {
     "position": position_arg,
     "consumed": position_arg,
     "remaining": _optional_count_field,
+    "schedule": _optional_mapping_field,
 }
 
 _IDENTITY = ("fingerprint", "num_samples")  # what says which dataset a state belongs to

@@ -28,9 +28,11 @@ from .sample import DistributedSampler, dataset_length
 __all__ = ["DataLoader"]
 
 LOADER_STATE_FORMAT = "torchcache.loader"
-LOADER_STATE_VERSION = 1
-_LOADER_FIELDS = ("format", "version", "algorithm", "counts", "consumed", "seed", "shuffle",
-                  "num_samples", "window", "fingerprint", "world_size", "batch_size")
+LOADER_STATE_VERSION = 2
+_LOADER_FIELDS_V1 = ("format", "version", "algorithm", "counts", "consumed", "seed", "shuffle",
+                     "num_samples", "window", "fingerprint", "world_size", "batch_size")
+#: Version 2 adds "schedule": a mixture's resume_prefix() at the saved position (else null).
+_LOADER_FIELDS = _LOADER_FIELDS_V1 + ("schedule",)
 #: Fields of a loaded state that must equal this loader's (world and batch size may change).
 _MATCHING = ("format", "version", "algorithm", "counts", "num_samples", "fingerprint", "seed",
              "shuffle", "window")
@@ -287,7 +289,13 @@ class DataLoader(torch.utils.data.DataLoader):
         (320, '9c1f.../seq2048')
         """
         sampler = self.sampler
-        fingerprint = getattr(self.dataset, "fingerprint", None)
+        consumed = self.consumed
+        schedule = None
+        if _edits_future(self.dataset):
+            fingerprint = self.dataset.resume_fingerprint(consumed)
+            schedule = self.dataset.resume_prefix(consumed)
+        else:
+            fingerprint = getattr(self.dataset, "fingerprint", None)
         if fingerprint is not None and not isinstance(fingerprint, (str, int)):
             fingerprint = str(fingerprint)
         return {
@@ -295,7 +303,7 @@ class DataLoader(torch.utils.data.DataLoader):
             "version": LOADER_STATE_VERSION,
             "algorithm": PERMUTATION_ALGORITHM,
             "counts": "consumed",
-            "consumed": self.consumed,
+            "consumed": consumed,
             "seed": sampler.seed,
             "shuffle": sampler.shuffle,
             "num_samples": None if sampler.growing else sampler.num_samples,
@@ -303,6 +311,7 @@ class DataLoader(torch.utils.data.DataLoader):
             "fingerprint": fingerprint,
             "world_size": sampler.world_size,
             "batch_size": self.batch_size,
+            "schedule": schedule,
         }
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
@@ -328,14 +337,31 @@ class DataLoader(torch.utils.data.DataLoader):
                 "sampler.load_state_dict()"
             )
         current = self.state_dict()
-        checked = check_state(
-            state,
-            {k: current[k] for k in _MATCHING},
-            _LOADER_FIELDS,
-            "DataLoader",
-            "Resume with the same dataset/cache, seed, shuffle and torchcache version that wrote "
-            "the state; to train on different data, start a new run instead of loading it.",
-        )
+        hint = ("Resume with the same dataset/cache, seed, shuffle and torchcache version that wrote "
+                "the state; to train on different data, start a new run instead of loading it.")
+        if isinstance(state, Mapping) and state.get("version") == 1:  # saved before schedule edits
+            current["version"] = 1
+            checked = check_state(state, {k: current[k] for k in _MATCHING}, _LOADER_FIELDS_V1,
+                                  "DataLoader", hint)
+        elif _edits_future(self.dataset):
+            # a mixture: only what it read before the saved position must match
+            matching = [k for k in _MATCHING if k not in ("fingerprint", "num_samples")]
+            checked = check_state(state, {k: current[k] for k in matching}, _LOADER_FIELDS,
+                                  "DataLoader", hint)
+            saved = checked["schedule"]
+            if saved is None:
+                raise ValueError("cannot load this state into DataLoader: it was not saved from a "
+                                 "mixture (its schedule is null), this loader reads one. " + hint)
+            self.dataset.check_resume(saved, checked["consumed"])
+            if checked["fingerprint"] != self.dataset.resume_fingerprint(checked["consumed"]):
+                raise ValueError("cannot load this state into DataLoader: its fingerprint does not "
+                                 "match the schedule it describes (edited state?). " + hint)
+        else:
+            checked = check_state(state, {k: current[k] for k in _MATCHING}, _LOADER_FIELDS,
+                                  "DataLoader", hint)
+            if checked["schedule"] is not None:
+                raise ValueError("cannot load this state into DataLoader: it was saved from a "
+                                 "mixture, this loader does not read one. " + hint)
         consumed = checked["consumed"]
         self._stop_prefetching()
         self._consumed = consumed
@@ -358,6 +384,13 @@ def _check_loader_args(*, batch_size: Any, shuffle: Any, num_workers: Any, pin_m
     optional_int_arg(seed, "seed", 0)
     int_arg(prefetch_batches, "prefetch_batches", 0)
     bool_arg(compact_transfer, "compact_transfer")
+
+
+def _edits_future(dataset: Any) -> bool:
+    """A dataset (a MixtureDataset) whose saved states record only what was read before the
+    saved position, so that its future may be edited (``resume_prefix``/``check_resume``)."""
+    return all(callable(getattr(dataset, name, None))
+               for name in ("resume_prefix", "resume_fingerprint", "check_resume"))
 
 
 def _batched_dataset(dataset: Any) -> bool:

@@ -19,7 +19,7 @@ from torch.utils.data import Dataset
 
 from ._args import POSITION_LIMIT, bool_arg, int_arg, optional_int_arg
 from ._permutation import PERMUTATION_ALGORITHM
-from .schedule import MIXTURE_ALGORITHM, MixtureSchedule, group_by
+from .schedule import MIXTURE_ALGORITHM, MixtureSchedule, group_by, prefix_difference
 
 __all__ = ["MixtureDataset", "MIXTURE_ALGORITHM"]
 
@@ -102,6 +102,11 @@ class MixtureDataset(Dataset):
             (their ``tokenizer_identity``: the tokenizer's fingerprint, or vocabulary size and
             dtype for pre-tokenized caches). Refused by default: one id would mean different
             text in each source.
+        max_epochs_per_source: refuse (ValueError naming the source and the mixture index) a
+            schedule that reads some source more than this many times (a number, or a dict
+            name -> number) in the first ``total_samples`` mixture samples.
+        total_samples: how many mixture samples the run will read in all (needed by
+            ``max_epochs_per_source``; see also :meth:`source_epochs`).
         allow_mixed_items: accept sources whose items differ in keys or shapes (their
             ``item_signature``: e.g. TokenDatasets with different ``seq_len``, or a
             TokenDataset with a DocumentDataset); the DataLoader then needs a ``collate_fn``
@@ -141,6 +146,8 @@ class MixtureDataset(Dataset):
         num_samples: int | None = None,
         allow_mixed_tokenizers: bool = False,
         allow_mixed_items: bool = False,
+        max_epochs_per_source: Any = None,
+        total_samples: int | None = None,
     ) -> None:
         if not isinstance(datasets, Mapping):
             raise TypeError(f"datasets must be a dict name -> dataset, got {type(datasets).__name__}")
@@ -168,6 +175,13 @@ class MixtureDataset(Dataset):
         #: Which source and which of its samples each index reads (pure, immutable).
         self.schedule = MixtureSchedule(lengths, weights, schedule=schedule, seed=seed,
                                         block_size=block_size)
+        if max_epochs_per_source is not None:
+            if total_samples is None:
+                raise ValueError("max_epochs_per_source needs total_samples= (the samples the run "
+                                 "will read in all): the last stage has no end to check up to")
+            self.schedule.check_epochs(max_epochs_per_source, total_samples)
+        elif total_samples is not None:
+            int_arg(total_samples, "total_samples", 1)
         self._fingerprint: str | None = None  # computed on first use (sources are fixed)
 
     def _check_sources_agree(self, mixed_tokenizers: bool, mixed_items: bool) -> None:
@@ -242,6 +256,54 @@ class MixtureDataset(Dataset):
         }
         digest = hashlib.sha256(json.dumps(identity, sort_keys=True).encode()).hexdigest()
         return f"mixture-{digest[:32]}"
+
+    def resume_prefix(self, position: int) -> dict[str, Any]:
+        """What mixture indices ``[0, position)`` depend on (see :meth:`MixtureSchedule.prefix`),
+        with each source's identity. :class:`torchcache.DataLoader` saves it in its state, so a
+        state saved at ``position`` loads into a mixture whose schedule was edited after it.
+
+        >>> mix.resume_prefix(4096)["stages"]  # doctest: +SKIP
+        [[0, [['web', '7/10'], ['code', '3/10']]]]
+        """
+        prefix = self.schedule.prefix(position)
+        for name in prefix["sources"]:
+            ds = self.datasets[name]
+            fp = getattr(ds, "fingerprint", None)
+            prefix["sources"][name].append(str(fp) if fp is not None else type(ds).__qualname__)
+        return prefix
+
+    def resume_fingerprint(self, position: int) -> str:
+        """A digest of :meth:`resume_prefix`: equal for schedules that agree before ``position``."""
+        text = json.dumps(self.resume_prefix(position), sort_keys=True)
+        return f"mixture-prefix-{hashlib.sha256(text.encode()).hexdigest()[:32]}"
+
+    def check_resume(self, saved_prefix: Any, position: int) -> None:
+        """ValueError unless this mixture reads indices ``[0, position)`` exactly as the one whose
+        :meth:`resume_prefix` was ``saved_prefix``; the message names the first index where they
+        differ. Edits after ``position`` (stages changed, added or removed, sources added) pass.
+
+        >>> mix.check_resume(saved_state["schedule"], saved_state["consumed"])  # doctest: +SKIP
+        """
+        if not isinstance(saved_prefix, Mapping):
+            raise ValueError(f"the saved schedule must be a dict (from resume_prefix()), got "
+                             f"{type(saved_prefix).__name__}")
+        difference = prefix_difference(saved_prefix, self.resume_prefix(position))
+        if difference is not None:
+            index, why = difference
+            raise ValueError(
+                f"this mixture does not read mixture indices [0, {position}) as the saved run did: "
+                f"they first differ at mixture index {index} ({why}). Only what comes at or after "
+                f"the saved position ({position}) may change: edit or add stages starting at "
+                f"{-(-position // self.block_size) * self.block_size} or later")
+
+    def source_epochs(self, position: int) -> dict[str, float]:
+        """How many times each source has been read through by mixture indices ``[0, position)``
+        (samples taken / its length): the number to check against repetition caps.
+
+        >>> mix.source_epochs(loader.consumed)  # doctest: +SKIP
+        {'web': 0.41, 'code': 2.07}
+        """
+        return self.schedule.source_epochs(position)
 
     def __len__(self) -> int:
         """``num_samples`` when given, else the sum of the sources' lengths (one loader epoch)."""

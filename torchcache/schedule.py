@@ -45,9 +45,9 @@ import numpy as np
 
 from ._args import INT64_MAX, POSITION_LIMIT, index_array, int_arg
 from ._lru import LRUCache
-from ._permutation import Permutation, derive_key
+from ._permutation import PERMUTATION_ALGORITHM, Permutation, derive_key
 
-__all__ = ["MIXTURE_ALGORITHM", "MixtureSchedule", "group_by"]
+__all__ = ["MIXTURE_ALGORITHM", "MixtureSchedule", "group_by", "prefix_difference"]
 
 #: Part of :attr:`MixtureDataset.fingerprint`; bump whenever any mixture index could map elsewhere.
 MIXTURE_ALGORITHM = "mixture-largest-remainder-v1"
@@ -234,6 +234,8 @@ class MixtureSchedule:
 
     def _parse_stages(self, stages_in: list[Any]) -> list[_Stage]:
         B = self.block_size
+        named: set[str] = set()
+        empty = [n for n, length in zip(self.names, self.lengths) if length == 0]
         stages: list[_Stage] = []
         for s, item in enumerate(stages_in):
             try:
@@ -254,15 +256,24 @@ class MixtureSchedule:
                     f"block_size={B} (stages start on block boundaries): move it to {lo} or {hi}, "
                     f"or use a block_size that divides every stage start")
             stages.append(_Stage(start, start // B, self._parse_weights(weights, s)))
+            named.update(weights)
+        unnamed = [n for n in self.names if n not in named]
+        if unnamed:
+            if not self._is_schedule:
+                raise ValueError(f"weights have no entry for source(s) {unnamed}: give every "
+                                 "source a weight (0 excludes it), or leave it out of the sources")
+            raise ValueError(f"source(s) {unnamed} are named in no stage of the schedule: give "
+                             "each a weight in some stage (a stage that does not name a source "
+                             "gives it weight 0), or leave it out of the sources")
+        if empty:
+            raise ValueError(f"source {empty[0]!r} is empty (it has no samples): leave it out of "
+                             "the sources, or build it from data")
         # every active source must get B * p >= 1, i.e. at least one sample per block on average
         needs = [math.ceil(st.denom / x) for st in stages for x in st.a if x]
         for s, st in enumerate(stages):
             for k, x in enumerate(st.a):
                 if x == 0:
                     continue
-                if self.lengths[k] == 0:
-                    raise ValueError(f"source {self.names[k]!r} is empty but has weight "
-                                     f"{self._weight_text(st.weights[k])}{self._where(s, st)}")
                 if B * x < st.denom:
                     raise ValueError(self._too_small(s, st, k, max(needs), len(stages) > 1))
         return stages
@@ -299,11 +310,9 @@ class MixtureSchedule:
         if unknown:
             raise ValueError(f"weights{where} name unknown source(s) {unknown}; the sources are "
                              f"{list(self.names)}")
-        missing = [n for n in self.names if n not in weights]
-        if missing:
-            raise ValueError(f"weights{where} have no entry for source(s) {missing}; give every "
-                             f"source a weight (0 excludes it)")
-        values = tuple(_fraction(weights[n], f"weight of source {n!r}{where}") for n in self.names)
+        # a source a stage does not name has weight 0 in it
+        values = tuple(_fraction(weights[n], f"weight of source {n!r}{where}") if n in weights
+                       else Fraction(0) for n in self.names)
         if sum(values) == 0:
             raise ValueError(f"all weights{where} are zero: at least one source needs a positive "
                              "weight")
@@ -325,6 +334,85 @@ class MixtureSchedule:
         parts = ", ".join(f"{n}={float(p):.3g}" for n, p in self.stages[0][1].items())
         more = f", {len(self._stages)} stages" if len(self._stages) > 1 else ""
         return f"MixtureSchedule({parts}{more}, block_size={self.block_size}, seed={self.seed})"
+
+    # -- what a resumed run must agree on --------------------------------------------------------
+
+    def prefix(self, position: int) -> dict[str, Any]:
+        """What mixture indices ``[0, position)`` depend on, as plain JSON: the algorithm, seed,
+        block size, the stages that start before ``position`` (each with the exact proportions
+        of its sources with a non-zero weight, in layout order) and those sources' lengths.
+
+        Two schedules with equal prefixes map every index before ``position`` to the same source
+        and sample, so a run saved at ``position`` under one continues exactly under the other:
+        later stages may differ, and sources used only later may be added or removed.
+
+        >>> tc.MixtureSchedule({"a": 10, "b": 10}, {"a": 3, "b": 1}, block_size=4).prefix(8)["stages"]
+        [[0, [['a', '3/4'], ['b', '1/4']]]]
+        """
+        position = int_arg(position, "position", 0, INT64_MAX)
+        stages = [st for st in self._stages if st.start < position]
+        active = sorted({k for st in stages for k, x in enumerate(st.a) if x})
+        return {
+            "algorithm": MIXTURE_ALGORITHM,
+            "permutation": PERMUTATION_ALGORITHM,
+            "seed": self.seed,
+            "block_size": self.block_size,
+            "stages": [[st.start, [[self.names[k], str(Fraction(x, st.denom))]
+                                   for k, x in enumerate(st.a) if x]] for st in stages],
+            "sources": {self.names[k]: [self.lengths[k]] for k in active},
+        }
+
+    def source_epochs(self, position: int) -> dict[str, float]:
+        """How many times each source has been read through by mixture indices ``[0, position)``:
+        its samples taken divided by its length (2.5: two full passes and half of a third).
+
+        >>> tc.MixtureSchedule({"a": 10, "b": 40}, {"a": 1, "b": 1}, block_size=2).source_epochs(40)
+        {'a': 2.0, 'b': 0.5}
+        """
+        counts = self.source_counts(0, position)
+        return {name: counts[name] / n for name, n in zip(self.names, self.lengths)}
+
+    def first_over(self, name: str, samples: int, stop: int) -> int | None:
+        """The first mixture index before ``stop`` that reads source ``name``'s sample number
+        ``samples + 1`` (counting from 1), or None. O(log stop) calls of :meth:`source_counts`."""
+        if self.source_counts(0, stop)[name] <= samples:
+            return None
+        lo, hi = 0, stop  # counts(0, lo) <= samples < counts(0, hi)
+        while hi - lo > 1:
+            mid = (lo + hi) // 2
+            if self.source_counts(0, mid)[name] <= samples:
+                lo = mid
+            else:
+                hi = mid
+        return hi - 1
+
+    def check_epochs(self, max_epochs: Any, stop: int) -> None:
+        """ValueError if some source is read more than ``max_epochs`` times (a number, or a dict
+        name -> number) by mixture indices ``[0, stop)``, naming the source and the index."""
+        stop = int_arg(stop, "total_samples", 1, INT64_MAX)
+        caps = max_epochs if isinstance(max_epochs, Mapping) else dict.fromkeys(self.names, max_epochs)
+        unknown = [n for n in caps if n not in self.names]
+        if unknown:
+            raise ValueError(f"max_epochs_per_source names unknown source(s) {unknown}; the sources "
+                             f"are {list(self.names)}")
+        for name, cap in caps.items():
+            if cap is None:
+                continue
+            cap = _fraction(cap, f"max_epochs_per_source[{name!r}]")
+            n = self.lengths[self.names.index(name)]
+            allowed = math.floor(cap * n)
+            index = self.first_over(name, allowed, stop)
+            if index is None:
+                continue
+            s = bisect.bisect_right([st.start for st in self._stages], index) - 1
+            st = self._stages[s]
+            where = f" in schedule stage {s} (from sample {st.start})" if self._is_schedule else ""
+            epochs = self.source_epochs(stop)[name]
+            raise ValueError(
+                f"source {name!r} ({n} samples) would be read {epochs:.4g} times in the first "
+                f"{stop} mixture samples, more than max_epochs_per_source={float(cap):g}: mixture "
+                f"index {index}{where} reads its sample number {allowed + 1}. Lower its weight, "
+                f"end the stage sooner, or raise the cap")
 
     # -- the stream -----------------------------------------------------------------------------
 
@@ -503,3 +591,44 @@ class MixtureSchedule:
     def _slot_counts(t: np.ndarray, prefix: np.ndarray) -> np.ndarray:
         k = np.searchsorted(prefix[1:], t, side="right")
         return np.bincount(k, minlength=len(prefix) - 1).astype(np.int64)
+
+
+def prefix_difference(saved: Mapping[str, Any], current: Mapping[str, Any]) -> tuple[int, str] | None:
+    """Where the schedule a run was saved under (its :meth:`MixtureSchedule.prefix` at the saved
+    position) and the current one first differ: ``(mixture index, why)``, or None if they agree.
+
+    >>> a = tc.MixtureSchedule({"x": 9, "y": 9}, schedule=[(0, {"x": 1}), (4, {"y": 1})], block_size=2)
+    >>> b = tc.MixtureSchedule({"x": 9, "y": 9}, schedule=[(0, {"x": 1}), (6, {"y": 1})], block_size=2)
+    >>> prefix_difference(a.prefix(8), b.prefix(8))[0]
+    4
+    """
+    if dict(saved) == dict(current):
+        return None
+    for key in ("algorithm", "permutation", "seed", "block_size"):
+        if saved.get(key) != current.get(key):
+            return 0, f"{key} was {saved.get(key)!r}, it is now {current.get(key)!r}"
+    try:
+        a, b = list(saved["stages"]), list(current["stages"])
+        starts = sorted({int(st[0]) for st in a} | {int(st[0]) for st in b})
+        for x in starts:
+            sa = [st for st in a if int(st[0]) <= x][-1:] or [None]
+            sb = [st for st in b if int(st[0]) <= x][-1:] or [None]
+            if sa[0] != sb[0]:
+                return x, (f"from mixture index {x} the saved run's stage was {_stage_text(sa[0])}, "
+                           f"this schedule's is {_stage_text(sb[0])}")
+            for name, _ in sa[0][1]:
+                was, now = saved["sources"].get(name), current["sources"].get(name)
+                if was != now:
+                    return x, (f"source {name!r}, read from mixture index {x} on, is not the same: "
+                               f"saved {was}, now {now} ([length, identity])")
+    except (KeyError, TypeError, ValueError, IndexError, AttributeError):
+        return 0, "the saved schedule description is malformed"
+    return 0, "the saved schedule description differs"
+
+
+def _stage_text(stage: Any) -> str:
+    if stage is None:
+        return "absent"
+    start, props = stage
+    return "{" + ", ".join(f"{name}: {p}" for name, p in props) + f"}} (stage from {start})"
+
