@@ -3,6 +3,7 @@
     python examples/train_gpt.py --out runs/gpt --steps 100 --save-every 20
     python examples/train_gpt.py --out runs/gpt --steps 200 --resume       # continue to step 200
     torchrun --nproc_per_node 2 examples/train_gpt.py --out runs/gpt2 --steps 100
+    python examples/train_gpt.py --out runs/gpt-pack --steps 100 --pack    # whole documents per row
 
 The cache is built from the bundled books (or --data) into OUT/cache on the first run (a no-op
 afterwards). The whole data-loading state is `loader.state_dict()`: a count of the samples the
@@ -11,6 +12,14 @@ the batches an uninterrupted one would have: same losses, bit for bit, with any 
 DataLoader workers. A resume with another number of processes (same global --batch-size) continues
 the same global stream of samples. Each step prints `step N loss X epoch E`; OUT/losses.jsonl keeps
 the losses.
+
+With --pack the rows are `tc.PackedDataset` rows (whole documents packed into seq_len tokens, then
+padding) instead of `tc.TokenDataset` windows: the positional embedding takes the rows'
+position_ids (restarting at 0 at each document) and attention is document-masked (a token attends
+to earlier tokens of its own document only), a dense [B, 1, T, T] mask for
+`F.scaled_dot_product_attention` that works on any device (on a GPU, flex_attention's document
+mask or a varlen kernel fed `cu_seqlens` avoid the T x T mask). Labels are -100 across documents
+and on padding, which the loss ignores. Save and resume work the same way.
 
 On CPU most of a step is the 50257-way softmax over large temporary buffers; with glibc,
 `MALLOC_MMAP_MAX_=0` (keep big buffers instead of returning them to the OS) makes it much faster.
@@ -43,27 +52,46 @@ class Block(nn.Module):
         self.qkv, self.proj = nn.Linear(d, 3 * d), nn.Linear(d, d)
         self.mlp = nn.Sequential(nn.Linear(d, 4 * d), nn.GELU(), nn.Linear(4 * d, d))
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
         b, t, d = x.shape
         q, k, v = self.qkv(self.ln1(x)).view(b, t, 3, self.heads, d // self.heads).transpose(1, 3).unbind(2)
-        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)  # no dropout: deterministic
+        if mask is None:  # no dropout: deterministic
+            y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        else:
+            y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
         x = x + self.proj(y.transpose(1, 2).reshape(b, t, d))
         return x + self.mlp(self.ln2(x))
+
+
+def document_mask(position_ids: torch.Tensor) -> torch.Tensor:
+    """Block-diagonal causal mask [B, 1, T, T] of packed rows (True = attend): a token sees the
+    earlier tokens of its own document (positions restart at 0 at each one; padding is one more)."""
+    segment = (position_ids == 0).cumsum(1)  # [B, T]: which document each token belongs to
+    t = position_ids.shape[1]
+    causal = torch.ones(t, t, dtype=torch.bool).tril()
+    return ((segment[:, :, None] == segment[:, None, :]) & causal)[:, None]
 
 
 class GPT(nn.Module):
     def __init__(self, vocab: int, seq_len: int, d: int = 64, layers: int = 2, heads: int = 4):
         super().__init__()
         self.tok, self.pos = nn.Embedding(vocab, d), nn.Embedding(seq_len, d)
-        self.blocks = nn.Sequential(*(Block(d, heads) for _ in range(layers)))
+        self.blocks = nn.ModuleList(Block(d, heads) for _ in range(layers))
         self.ln = nn.LayerNorm(d)
         nn.init.normal_(self.tok.weight, std=0.02)  # small logits at init: loss starts near ln(vocab)
         nn.init.normal_(self.pos.weight, std=0.02)
 
-    def forward(self, ids: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-        x = self.tok(ids) + self.pos(torch.arange(ids.shape[1]))
-        logits = F.linear(self.ln(self.blocks(x)), self.tok.weight)  # tied input/output embeddings
-        return F.cross_entropy(logits.flatten(0, 1), labels.flatten())
+    def forward(self, ids: torch.Tensor, labels: torch.Tensor,
+                position_ids: torch.Tensor | None = None) -> torch.Tensor:
+        """Mean loss over labels != -100; position_ids (packed rows) also masks attention to documents."""
+        if position_ids is None:  # windows of the token stream: plain causal attention
+            x, mask = self.tok(ids) + self.pos(torch.arange(ids.shape[1])), None
+        else:
+            x, mask = self.tok(ids) + self.pos(position_ids), document_mask(position_ids)
+        for block in self.blocks:
+            x = block(x, mask)
+        logits = F.linear(self.ln(x), self.tok.weight)  # tied input/output embeddings
+        return F.cross_entropy(logits.flatten(0, 1), labels.flatten(), ignore_index=-100)
 
 
 def parse_args() -> argparse.Namespace:
@@ -76,6 +104,8 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--resume", action="store_true", help="continue from OUT/checkpoint.pt if present")
     p.add_argument("--batch-size", type=int, default=8, help="global batch (split across processes)")
     p.add_argument("--seq-len", type=int, default=64)
+    p.add_argument("--pack", action="store_true",
+                   help="train on whole documents packed into rows (tc.PackedDataset), document-masked")
     p.add_argument("--block-tokens", type=int, default=1 << 16, help="cache block size (tokens)")
     p.add_argument("--num-workers", type=int, default=0, help="DataLoader worker processes per rank")
     p.add_argument("--lr", type=float, default=1e-3)
@@ -113,10 +143,15 @@ def main() -> None:
     out.mkdir(parents=True, exist_ok=True)
     if rank == 0:
         build(out, args.data, args.block_tokens)
+        if args.pack:  # plan the packing once (stored in OUT/cache/packs); later opens map the plan
+            tc.PackedDataset(out / "cache", args.seq_len)
     if distributed:
         dist.barrier()  # the other ranks wait for rank 0's build
 
-    dataset = tc.TokenDataset(out / "cache", args.seq_len)
+    if args.pack:
+        dataset = tc.PackedDataset(out / "cache", args.seq_len)
+    else:
+        dataset = tc.TokenDataset(out / "cache", args.seq_len)
     # rank and world size from torch.distributed
     sampler = tc.DistributedSampler(dataset, shuffle=True, seed=args.seed)
     loader = tc.DataLoader(dataset, batch_size=args.batch_size // world, sampler=sampler,
@@ -143,14 +178,14 @@ def main() -> None:
     while step < args.steps and done_here != args.stop_after:
         epoch = loader.state_dict()["consumed"] // sampler.epoch_size
         for batch in loader:  # runs to the end of the current loader epoch, then the next one
-            loss = ddp(batch["input_ids"], batch["labels"])
+            loss = ddp(batch["input_ids"], batch["labels"], batch.get("position_ids"))  # positions: --pack rows only
             optimizer.zero_grad(set_to_none=True)
             loss.backward()  # DDP averages the gradients over the ranks
             torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
             optimizer.step()
             step, done_here = step + 1, done_here + 1
             loss = loss.detach()
-            if distributed:  # report the global mean loss (per-rank batches have equal sizes)
+            if distributed:  # the mean of the ranks' losses (per-rank batches have equal sizes)
                 dist.all_reduce(loss)
                 loss /= world
             if rank == 0:

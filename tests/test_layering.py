@@ -7,6 +7,8 @@ layer here before its imports are accepted.
 from __future__ import annotations
 
 import ast
+import subprocess
+import sys
 import pathlib
 
 import pytest
@@ -26,7 +28,7 @@ LAYERS = [
     ["wds", "read", "verify"],
     ["inputs", "dataset", "schedule", "collate", "pack_plan"],
     ["worker", "sample", "mix", "packed"],
-    ["commit", "loader"],
+    ["commit", "loader", "recipe"],
     ["executors"],
     ["ray_executor"],
     ["engine"],
@@ -39,7 +41,7 @@ LAYERS = [
 ]
 RANK = {module: rank for rank, layer in enumerate(LAYERS) for module in layer}
 # Imported inside functions on purpose: optional extras, loaded only when used.
-OPTIONAL_EXTRAS = {"ray", "s3fs", "pyarrow", "zstandard", "torchdata"}
+OPTIONAL_EXTRAS = {"ray", "s3fs", "pyarrow", "zstandard", "torchdata", "yaml"}
 
 
 def _modules() -> dict[str, ast.Module]:
@@ -144,3 +146,12 @@ def test_function_level_imports_are_only_optional_extras(name):
                  else [(node.module or "").split(".")[0] if node.level == 0 else "torchcache"])
         bad += [f"{root} (line {node.lineno})" for root in roots if root not in OPTIONAL_EXTRAS]
     assert bad == [], f"{name} imports inside a function"
+
+
+def test_the_build_side_and_plans_do_not_import_torch():
+    """Build workers and pack planners start fresh interpreters: importing torch (~2 s) in each
+    would dominate small jobs. Only the training side (datasets, loader) imports it."""
+    code = ("import sys, torchcache, torchcache.build, torchcache.pack_plan, torchcache.worker; "
+            "print('torch' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "False"

@@ -2,11 +2,15 @@
 
 The runs use a tiny corpus (three real book openings, about 40 samples of 32 tokens) so that 12 steps
 of 4 samples cross a loader-epoch boundary, and the resumes from step 4 have to cross it too. Later
-runs start from a copy of the first run's cache, so their build is the cheap no-op.
+runs start from a copy of the first run's cache, so their build is the cheap no-op. The --pack runs
+(tc.PackedDataset rows, document-masked attention) use about 90 short paragraphs instead, so that most
+rows hold two or three documents; an in-process test checks that the mask and the restarting positions
+make a packed document's loss what the document alone gives.
 """
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import shutil
@@ -22,7 +26,7 @@ import torchcache as tc
 
 SCRIPT = Path(__file__).resolve().parent.parent / "examples" / "train_gpt.py"
 SEQ, BATCH, STEPS, SAVE = 32, 4, 12, 4
-pytestmark = pytest.mark.slow  # each test trains (and resumes) a model in subprocesses
+slow = pytest.mark.slow  # the tests that train (and resume) a model in subprocesses
 
 COMMON = ["--seq-len", str(SEQ), "--batch-size", str(BATCH), "--save-every", str(SAVE), "--seed", "3"]
 
@@ -72,6 +76,7 @@ def reference(tmp_path_factory, corpus) -> tuple[dict[int, float], Path]:
     return ref, out / "cache"
 
 
+@slow
 @pytest.mark.parametrize("workers", [0, 2])
 def test_stop_and_resume_gives_identical_losses(tmp_path, corpus, reference, workers):
     ref, cache = reference
@@ -90,6 +95,7 @@ def test_stop_and_resume_gives_identical_losses(tmp_path, corpus, reference, wor
     assert saved(out)[0] == STEPS
 
 
+@slow
 @pytest.mark.skipif(not (dist.is_available() and dist.is_gloo_available()), reason="needs gloo")
 def test_torchrun_two_processes_then_resume_on_one(tmp_path, corpus, reference):
     ref, cache = reference
@@ -109,3 +115,78 @@ def test_torchrun_two_processes_then_resume_on_one(tmp_path, corpus, reference):
     got = losses(out)
     assert list(got) == list(range(1, 8))
     assert got == pytest.approx({s: ref[s] for s in got}, rel=1e-3)
+
+
+# -- --pack ------------------------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def pack_corpus(tmp_path_factory, books) -> str:
+    """90 short documents (paragraphs cut to 50 characters): 42 packed rows of 32 tokens."""
+    paragraphs = [p for b in books for p in b["text"].split("\n\n") if p.strip()][:90]
+    path = tmp_path_factory.mktemp("pack_corpus") / "paragraphs.jsonl"
+    path.write_text("".join(json.dumps({"text": p[:50]}) + "\n" for p in paragraphs))
+    return str(path)
+
+
+@slow
+def test_pack_stop_and_resume_gives_identical_losses(tmp_path, pack_corpus):
+    ref_out = tmp_path / "reference"
+    train(ref_out, pack_corpus, "--pack", "--steps", str(STEPS), "--num-workers", "0")
+    ref = losses(ref_out)
+    assert len(ref) == STEPS
+    ds = tc.PackedDataset(ref_out / "cache", SEQ)  # the plan the run stored in its cache
+    assert 7 * BATCH <= len(ds) < STEPS * BATCH, "the resumes must cross a loader-epoch boundary"
+    assert ds.get_batch(range(len(ds)))["num_segments"].float().mean() > 1.5  # mostly 2-3 documents a row
+    step, state = saved(ref_out)  # one short batch (len(ds) % BATCH rows) ended loader epoch 0
+    assert (step, state["consumed"]) == (STEPS, STEPS * BATCH - (-len(ds) % BATCH))
+
+    out = tmp_path / "run"  # stopped with 2 workers (compact transfer), resumed without
+    train(out, pack_corpus, "--pack", "--steps", str(STEPS), "--num-workers", "2", "--stop-after", "6",
+          cache=ref_out / "cache")
+    assert saved(out)[0] == SAVE and saved(out)[1]["consumed"] == SAVE * BATCH
+    stdout = train(out, pack_corpus, "--pack", "--steps", str(STEPS), "--resume", "--num-workers", "0")
+    assert f"resumed at step {SAVE}" in stdout
+    assert losses(out) == ref
+    assert saved(out)[0] == STEPS
+
+
+def load_example():
+    spec = importlib.util.spec_from_file_location("train_gpt", SCRIPT)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_pack_attention_stays_inside_documents(tmp_path, pack_corpus, gpt2_tokenizer_path):
+    """A packed document's loss equals the loss of that document alone (positions from 0, no context)."""
+    example = load_example()
+    tc.build_cache(pack_corpus, tmp_path / "cache", gpt2_tokenizer_path, progress=False)
+    ds = tc.PackedDataset(tmp_path / "cache", SEQ)
+    batch = ds.get_batch(range(len(ds)))
+    ids, labels, pos = batch["input_ids"], batch["labels"], batch["position_ids"]
+
+    mask = example.document_mask(pos)
+    assert mask.shape == (len(ds), 1, SEQ, SEQ) and mask.dtype == torch.bool
+    for r in range(len(ds)):  # against the definition: causal, within one segment of cu_seqlens
+        cu = batch["cu_seqlens"][r, :batch["num_segments"][r] + 1].tolist() + [SEQ]
+        segment = torch.bucketize(torch.arange(SEQ), torch.tensor(cu[1:]), right=True)
+        want = (segment[:, None] == segment[None, :]) & torch.ones(SEQ, SEQ, dtype=torch.bool).tril()
+        assert torch.equal(mask[r, 0], want)
+
+    torch.manual_seed(0)
+    model = example.GPT(ds.cache.vocab_size, SEQ).eval()
+    checked = 0
+    with torch.no_grad():
+        for r in range(len(ds)):
+            cu = batch["cu_seqlens"][r].tolist()
+            for k in range(int(batch["num_segments"][r])):
+                s, e = cu[k], cu[k + 1]
+                if not (labels[r, s:e] != -100).any():
+                    continue
+                only = torch.full_like(labels[r:r + 1], -100)
+                only[0, s:e] = labels[r, s:e]
+                packed = model(ids[r:r + 1], only, pos[r:r + 1])
+                alone = model(ids[r:r + 1, s:e], labels[r:r + 1, s:e], torch.arange(e - s)[None])
+                assert torch.allclose(packed, alone, rtol=1e-5, atol=1e-5), (r, k)
+                checked += s > 0  # a document after another one in its row
+    assert checked >= 20

@@ -14,12 +14,18 @@ raw baseline: a plain ``torch.utils.data.Dataset`` over an ``np.memmap`` of the 
    a check that it overlaps reads with a (simulated, GIL-free) training step;
 4. time to first batch after ``load_state_dict`` at consumed = 0 and 10**12;
 5. worker RSS over a long run (and the main process's in fast mode);
-6. ``len(pickle.dumps(dataset))``.
+6. ``len(pickle.dumps(dataset))``;
+7. packed rows/s: ``tc.PackedDataset(cache, 2048)`` against ``tc.TokenDataset(cache, 2048)``
+   windows/s on the same cache, both through the recommended ``tc.DataLoader(ds, batch_size=16,
+   shuffle=True, num_workers=0, prefetch_batches=4)`` and with ``num_workers=2`` (the pack plan
+   is computed on the first run, stored under CACHE/packs, and mapped afterwards).
 
 Throughput is timed over a fixed number of batches after the first one (worker start-up
 excluded), in interleaved rounds (the machine is shared: only same-run ratios count). Each round
 times the raw 2-worker baseline before and after the other configurations; a ratio is the median
-over rounds of the configuration's rate over the mean of its round's two baseline rates.
+over rounds of the configuration's rate over the mean of its round's two baseline rates. The packed
+ratios (7) are the median over rounds of packed rows/s over TokenDataset windows/s in the same
+loader mode and round (which of the two goes first alternates between rounds).
 """
 
 from __future__ import annotations
@@ -85,6 +91,11 @@ def tc_loader(ds, workers: int, prefetch: int = 0, **sampler_kw) -> tc.DataLoade
                          num_workers=workers, prefetch_batches=prefetch)
 
 
+def recommended_loader(ds, workers: int, prefetch: int = 0) -> tc.DataLoader:
+    """The README's configuration: shuffle=True (a tc.DistributedSampler of seed 0 underneath)."""
+    return tc.DataLoader(ds, batch_size=BATCH, shuffle=True, num_workers=workers, prefetch_batches=prefetch)
+
+
 def samples_per_s(loader, batches: int, step_s: float = 0.0) -> float:
     """Samples/s over ``batches`` batches after the first (worker start-up excluded)."""
     it = iter(loader)
@@ -122,12 +133,16 @@ def first_batch_s(loader, consumed: int) -> tuple[float, torch.Tensor]:
 
 def rss_run(loader, batches: int, every: int, workers: bool) -> list[list[float]]:
     """RSS in MB after every ``every`` batches (the first ``every`` are warm-up): per worker, or ours."""
+    me = psutil.Process()
+    before = {c.pid for c in me.children()}
     it = iter(loader)
+    next(it)  # the workers are started (found as our new child processes: no loader internals)
+    procs = [c for c in me.children() if c.pid not in before] if workers else [me]
+    assert procs, "no worker processes found"
     samples = []
-    for j in range(1, batches + 1):
+    for j in range(2, batches + 1):
         next(it)
         if j % every == 0:
-            procs = [psutil.Process(w.pid) for w in it._workers] if workers else [psutil.Process()]
             samples.append([p.memory_info().rss / 2 ** 20 for p in procs])
     del it
     gc.collect()
@@ -226,6 +241,26 @@ def main() -> None:
     # 6: pickled size ------------------------------------------------------------------------------
     pickled = len(pickle.dumps(ds))
 
+    # 7: packed rows against TokenDataset windows, same loader mode, interleaved rounds ------------
+    t_plan = time.perf_counter()
+    packed = tc.PackedDataset(cache, SEQ)  # plans on the first run (then stored), maps afterwards
+    plan_s = time.perf_counter() - t_plan
+    pack_batches = min(batches, len(ds) // BATCH - 1, len(packed) // BATCH - 1)  # within one epoch
+    pack_modes = {f"prefetch_batches={PREFETCH}": (0, PREFETCH), f"{WORKERS} workers": (WORKERS, 0)}
+    pack_rates: dict[tuple[str, str], list[float]] = {}
+    pack_ratios: dict[str, list[float]] = {mode: [] for mode in pack_modes}
+    for r in range(rounds):
+        for mode, (workers, prefetch) in pack_modes.items():
+            pair = {}
+            for kind in (("token", "packed") if r % 2 == 0 else ("packed", "token")):
+                data = ds if kind == "token" else packed
+                pair[kind] = samples_per_s(recommended_loader(data, workers, prefetch), pack_batches)
+                pack_rates.setdefault((mode, kind), []).append(pair[kind])
+            pack_ratios[mode].append(pair["packed"] / pair["token"])
+        print(f"packed round {r + 1}/{rounds} (packed rows/s / windows/s): "
+              + ", ".join(f"{mode} {pack_rates[(mode, 'packed')][-1]:,.0f} / "
+                          f"{pack_rates[(mode, 'token')][-1]:,.0f}" for mode in pack_modes), flush=True)
+
     # summary ----------------------------------------------------------------------------------------
     print(f"\n== throughput: {batches} batches x {BATCH} x {SEQ} tokens after the first batch, "
           f"{rounds} interleaved rounds ==")
@@ -258,6 +293,16 @@ def main() -> None:
     if rss_raw:
         rss_line("raw memmap, 2 workers", rss_raw)
 
+    print(f"\n== packed rows vs TokenDataset windows: {pack_batches} batches x {BATCH} x {SEQ} tokens after "
+          f"the first batch, {rounds} interleaved rounds, shuffle=True (recommended: prefetch_batches={PREFETCH}) ==")
+    print(f"{packed!r}: {len(packed):,} rows vs {len(ds):,} windows, {packed.split_documents:,} documents "
+          f"split; plan ready in {plan_s:.2f} s")
+    print(f"{'loader mode':<36}{'packed rows/s':>15}{'windows/s':>11}{'packed / windows':>18}"
+          f"{'range over rounds':>19}")
+    for mode in pack_modes:
+        print(f"{mode:<36}{med(pack_rates[(mode, 'packed')]):>15,.0f}{med(pack_rates[(mode, 'token')]):>11,.0f}"
+              f"{med(pack_ratios[mode]):>17.2f}x{min(pack_ratios[mode]):>11.2f}-{max(pack_ratios[mode]):.2f}x")
+
     print(f"\npickled TokenDataset: {pickled:,} bytes ({'< 64 KB' if pickled < 65536 else 'TOO BIG'})")
     fast_name = list(configs)[-1]
     print("\n== summary ==")
@@ -271,6 +316,8 @@ def main() -> None:
         ("worker RSS growth (max over workers)",
          f"{max(last - first for first, last in zip(rss_tc[0], rss_tc[-1])):+.1f} MB", "flat"),
         ("pickled TokenDataset", f"{pickled:,} B", "< 64 KB"),
+        *[(f"packed / TokenDataset, {mode}", f"{med(pack_ratios[mode]):.2f}x", "rows/s over windows/s")
+          for mode in pack_modes],
     ]
     for name, value, target in rows:
         print(f"  {name:<40}{value:>14}   ({target})")

@@ -1,19 +1,31 @@
-"""The `torchcache` command line: build, convert-webdataset, info, verify, upgrade, show."""
+"""The `torchcache` command line: build, convert-webdataset, info, pack, verify, upgrade, show.
+
+`torchcache pack CACHE --seq-len N` computes the pack plan a PackedDataset of that seq_len
+reads (in parallel, stored under CACHE/packs or --plan-dir), so training starts at once;
+`torchcache info CACHE` lists the plans stored for the cache.
+"""
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
+import time
 from typing import Sequence
 
 import numpy as np
+from tqdm.auto import tqdm
 
 from . import __version__
+from ._args import POSITION_LIMIT, int_arg, optional_int_arg
 from .build import build_cache
 from .commit import acquire_lock
 from .convert import convert_webdataset
+from .engine import default_workers, progress_enabled
 from .ledger import upgrade
+from .pack_plan import PackPlan, PlanIdentity, default_plan_root, list_plans, plan_identity
+from .packing import LONG_DOCS
 from .read import TokenCache
 from .repair import repair_cache
 from .storage import open_storage
@@ -78,6 +90,10 @@ def _info(args: argparse.Namespace) -> int:
         "spec": {k: v for k, v in cache.spec.items() if k != "inputs"},
         "inputs": len(cache.spec["inputs"]),
     }
+    roots = _plan_roots(cache, args.plan_dir)
+    plans, others = _stored_plans(cache, roots)
+    info["pack_plans"] = plans
+    info["pack_plans_of_other_caches"] = others
     if args.json:
         print(json.dumps(info, indent=1))
         return 0
@@ -97,6 +113,184 @@ def _info(args: argparse.Namespace) -> int:
           f"bos {spec['bos_id']}  eos {spec['eos_id']}")
     print(f"  inputs     {len(spec['inputs'])} (text key {spec['text_key']!r})")
     print(f"  fingerprint {cache.fingerprint}")
+    _print_plans(plans, others, roots)
+    return 0
+
+
+def _plan_roots(cache: TokenCache, plan_dir: str | None) -> list[str]:
+    """Where `info` looks for pack plans: the cache's default plan root, then --plan-dir."""
+    roots = [default_plan_root(cache)]
+    if plan_dir is not None and os.path.realpath(plan_dir) != os.path.realpath(roots[0]):
+        roots.append(os.path.abspath(plan_dir))
+    return roots
+
+
+def _stored_plans(cache: TokenCache, roots: list[str]) -> tuple[list[dict], int]:
+    """The pack plans of this cache stored under ``roots``, and how many of other caches there are.
+
+    Never computes anything: a plan's figures are read from its chunk files only when they cover
+    the whole complete cache; otherwise it is "partial".
+    """
+    plans, others = [], 0
+    for root in roots:
+        for stored in list_plans(root):
+            if stored.get("cache_fingerprint") != cache.fingerprint:
+                others += 1  # a plan of a rebuilt cache, or of another cache sharing --plan-dir
+                continue
+            plans.append(_stored_plan(cache, root, stored))
+    return plans, others
+
+
+def _stored_plan(cache: TokenCache, root: str, stored: dict) -> dict:
+    fields = {k: v for k, v in stored.items() if k not in ("format", "version", "path", "chunks")}
+    out = {"path": stored["path"], "plan_root": root,
+           **{k: fields.get(k) for k in ("seq_len", "long_docs", "max_segments", "seed",
+                                         "algorithm", "chunk_blocks")},
+           "chunk_files": len(stored["chunks"]), "state": "partial", "rows": None,
+           "padding": None, "padding_fraction": None, "split_documents": None,
+           "dropped_documents": None, "dropped_tokens": None}
+    try:
+        identity = PlanIdentity(**fields)
+        readable = identity.plan_id == os.path.basename(stored["path"]) and identity.chunk_blocks > 0
+    except TypeError:
+        readable = False
+    if not readable:  # another plan format or version, or an edited plan.json
+        out["state"] = "unreadable"
+        return out
+    K = identity.chunk_blocks
+    whole = {f"{c:06d}.pack" for c in range(-(-cache.num_blocks // K))}
+    if not cache.complete or not whole <= set(stored["chunks"]):
+        return out  # opening it would plan the missing blocks: not for `info`
+    try:
+        plan = PackPlan(cache, identity, root)
+    except (ValueError, OSError) as e:  # a damaged chunk file: the message says what to delete
+        out["state"], out["problem"] = "damaged", _one_line(e)
+        return out
+    totals = plan.totals()
+    out.update(state="complete", rows=totals["rows"], padding=totals["padding"],
+               padding_fraction=(totals["padding"] / (totals["rows"] * identity.seq_len)
+                                 if totals["rows"] else 0.0),
+               **{k: totals[k] for k in ("split_documents", "dropped_documents", "dropped_tokens")})
+    return out
+
+
+def _plural(n: int, word: str) -> str:
+    return f"{n:,} {word}{'' if n == 1 else 's'}"
+
+
+def _print_plans(plans: list[dict], others: int, roots: list[str]) -> None:
+    if not plans:
+        print(f"  pack plans none in {', '.join(roots)} (`torchcache pack CACHE --seq-len N` "
+              "computes one)")
+    for root in roots:
+        mine = [p for p in plans if p["plan_root"] == root]
+        if mine:
+            print(f"  pack plans in {root}")
+        for p in mine:
+            what = (f"    seq_len {p['seq_len']}, long_docs {p['long_docs']}, max_segments "
+                    f"{'none' if p['max_segments'] is None else p['max_segments']}, seed {p['seed']}")
+            files = _plural(p["chunk_files"], "chunk file")
+            if p["state"] == "complete":
+                print(f"{what}: {files}, {p['rows']:,} rows, padding {p['padding_fraction']:.3%}")
+            elif p["state"] == "partial":
+                print(f"{what}: partial ({files})")
+            elif p["state"] == "damaged":
+                print(f"{what}: damaged: {p['problem']}")
+            else:
+                print(f"{what}: unreadable by this version (delete {p['path']})")
+    if others:
+        print(f"  ({_plural(others, 'pack plan')} of other caches, or of this path before a rebuild, "
+              "stored there too)")
+
+
+def _chunk_files(directory: str) -> set[str]:
+    try:
+        return {n for n in os.listdir(directory) if n.endswith(".pack")}
+    except OSError:
+        return set()
+
+
+# A planning process takes up to a second to start (a fresh interpreter importing numpy and the
+# package) and then plans some 100-200M tokens/s: the default --workers gives each at least this
+# many tokens, so a small cache is planned in this process (in milliseconds) instead of waiting
+# for processes to start.
+_TOKENS_PER_PLANNER = 2 ** 28
+
+
+def _pack(args: argparse.Namespace) -> int:
+    # the same checks PackedDataset makes, naming the flags
+    seq_len = int_arg(args.seq_len, "--seq-len", minimum=1, maximum=POSITION_LIMIT)
+    max_segments = optional_int_arg(args.max_segments, "--max-segments", 1, seq_len)
+    seed = int_arg(args.seed, "--seed", minimum=0, maximum=2 ** 63 - 1)
+    if args.workers is not None:
+        int_arg(args.workers, "--workers", minimum=1, maximum=1024)
+    cache = TokenCache(args.cache)
+    workers = args.workers or max(1, min(default_workers(), 1024,
+                                         cache.num_tokens // _TOKENS_PER_PLANNER))
+    # max_segments as given (None when omitted), as PackedDataset names the plan it reads
+    identity = plan_identity(cache.fingerprint, seq_len, args.long_docs, max_segments, seed)
+    root = default_plan_root(cache) if args.plan_dir is None else os.path.abspath(args.plan_dir)
+    before = _chunk_files(os.path.join(root, identity.plan_id))
+    bar = None
+    if progress_enabled(None):  # on unless TQDM_DISABLE is set, as `torchcache build` does
+        bar = tqdm(total=cache.num_blocks, unit="block", desc="planning", dynamic_ncols=True,
+                   disable=False)
+    started = time.perf_counter()
+    try:
+        plan = PackPlan(cache, identity, root, workers=workers,
+                        progress=None if bar is None else bar.update)
+    except OSError as e:
+        where = os.path.abspath(str(e.filename or ""))
+        if "plan_dir" in str(e) or not (where == root or where.startswith(root + os.sep)):
+            raise  # already says what to do, or not about the plan directory
+        # not a directory, a read-only file system, a full disk: name the flag that moves it
+        raise OSError(f"cannot store the pack plan in {root} ({e.strerror}: {e.filename}): "
+                      "give a writable directory as --plan-dir DIR") from e
+    finally:
+        if bar is not None:
+            bar.close()
+    seconds = time.perf_counter() - started
+    after = _chunk_files(plan.dir)
+    totals = plan.totals()
+    K = identity.chunk_blocks
+    reused = sum(max(0, min(K, plan.blocks - int(name[:6]) * K)) for name in before
+                 if name[:6].isdigit())
+    computed = plan.blocks - reused
+    rows = totals["rows"]
+    result = {
+        "cache": cache.root, "plan": plan.dir, "plan_id": identity.plan_id, "seq_len": seq_len,
+        "long_docs": identity.long_docs, "max_segments": max_segments, "seed": seed,
+        "rows": rows, "padding": totals["padding"],
+        "padding_fraction": totals["padding"] / (rows * seq_len) if rows else 0.0,
+        "split_documents": totals["split_documents"], "dropped_documents": totals["dropped_documents"],
+        "dropped_tokens": totals["dropped_tokens"], "blocks": plan.blocks,
+        "cache_complete": cache.complete, "chunk_files": len(after), "blocks_computed": computed,
+        "already_stored": bool(before) and computed == 0, "seconds": round(seconds, 3),
+        "workers": workers,
+    }
+    if args.json:
+        print(json.dumps(result, indent=1))
+        return 0
+    print(f"pack plan of {cache.root}")
+    print(f"  stored in  {plan.dir}  ({_plural(len(after), 'chunk file')})")
+    print(f"  seq_len    {seq_len}  (long_docs {identity.long_docs}, max_segments "
+          f"{'none' if max_segments is None else max_segments}, seed {seed})")
+    print(f"  rows       {rows:,}")
+    print(f"  padding    {result['padding_fraction']:.3%}  ({totals['padding']:,} tokens)")
+    if identity.long_docs == "split":
+        print(f"  split      {_plural(totals['split_documents'], 'document')} longer than seq_len")
+    else:
+        print(f"  dropped    {_plural(totals['dropped_documents'], 'document')} longer than seq_len "
+              f"({totals['dropped_tokens']:,} tokens)")
+    print(f"  blocks     {plan.blocks:,} planned")
+    if not cache.complete:
+        print(f"the cache is {_build_state(cache)}: only whole chunks of {K} blocks are stored; run "
+              "`torchcache pack` again once its build completes to store the rest")
+    if result["already_stored"]:
+        print(f"already stored: read {_plural(len(before), 'chunk file')} in {seconds:.2f} s")
+    else:
+        print(f"planned {_plural(computed, 'block')} in {seconds:.2f} s (--workers {workers})"
+              + (f"; reused {_plural(reused, 'stored block')}" if reused else ""))
     return 0
 
 
@@ -174,7 +368,8 @@ def _show(args: argparse.Namespace) -> int:
 # The library's messages name Python arguments; on the command line, name the flags instead.
 _FLAG_SPELLINGS = {"on_error='skip'": "--on-error skip", "allow_empty=True": "--allow-empty",
                    "text_key": "--text-key", "block_tokens": "--block-tokens",
-                   "num_workers": "--workers"}
+                   "num_workers": "--workers",
+                   "plan_dir= (or `torchcache pack CACHE --plan-dir DIR`)": "--plan-dir DIR"}
 
 
 def _one_line(error: BaseException) -> str:
@@ -231,10 +426,34 @@ def make_parser() -> argparse.ArgumentParser:
                    help="accept a conversion that yields no document (default: an error)")
     c.set_defaults(func=_convert)
 
-    i = sub.add_parser("info", help="summarise a cache")
+    i = sub.add_parser("info", help="summarise a cache and list its stored pack plans")
     i.add_argument("cache")
+    i.add_argument("--plan-dir", default=None,
+                   help="also list the pack plans stored in this directory (beside CACHE/packs)")
     i.add_argument("--json", action="store_true", help="print JSON")
     i.set_defaults(func=_info)
+
+    p = sub.add_parser("pack", help="compute and store the pack plan of a PackedDataset "
+                                    "(reused if stored; resumes an interrupted one)",
+                       description="Compute the pack plan PackedDataset(CACHE, seq_len=N, ...) "
+                                   "reads, in parallel, and store it, so opening the dataset "
+                                   "later costs about what opening the cache does.")
+    p.add_argument("cache")
+    p.add_argument("--seq-len", type=int, required=True, help="tokens per packed row")
+    p.add_argument("--long-docs", choices=LONG_DOCS, default="split",
+                   help="documents longer than seq_len: split into seq_len pieces (default) or drop")
+    p.add_argument("--max-segments", type=int, default=None,
+                   help="at most this many documents per row (default: seq_len)")
+    p.add_argument("--seed", type=int, default=0,
+                   help="decides the order of equal-length documents (default 0)")
+    p.add_argument("--plan-dir", default=None,
+                   help="where plans are stored (default CACHE/packs; give one for a cache you "
+                        "cannot write, and the same plan_dir= to PackedDataset)")
+    p.add_argument("-j", "--workers", type=int, default=None,
+                   help="planning processes (default: all CPUs this process may use, one "
+                        "per 268M tokens of the cache at most)")
+    p.add_argument("--json", action="store_true", help="print JSON")
+    p.set_defaults(func=_pack)
 
     v = sub.add_parser("verify", help="recompute all checksums; non-zero exit on any bad file")
     v.add_argument("cache")
@@ -262,6 +481,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
     try:
         return args.func(args)
+    except BrokenPipeError:  # `torchcache info CACHE | head`: the reader has what it wanted
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 0
     except (ValueError, OSError, RuntimeError, IndexError, TypeError, ImportError) as e:
         # bad input, a bad cache, a full or read-only disk: one line, no traceback
         print(f"torchcache {args.command}: error: {_one_line(e)}", file=sys.stderr)

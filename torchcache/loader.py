@@ -257,11 +257,8 @@ class DataLoader(torch.utils.data.DataLoader):
 
     def _expanded(self, compact_batches: Iterator[Any]) -> Iterator[Any]:
         """The inner loader's compact batches, widened to the dataset's batches here."""
-        expand = self.dataset.expand_batch
         device = _pin_device() if self.pin_memory else None
-        for compact in compact_batches:
-            batch = expand(compact)
-            yield batch if device is None else _pin_memory(batch, device)
+        return _Expanding(compact_batches, self.dataset.expand_batch, device)
 
     def _stop_prefetching(self) -> None:
         """Stop the previous iterator's prefetch thread and drop its batches (they were not received)."""
@@ -341,6 +338,8 @@ class DataLoader(torch.utils.data.DataLoader):
                 "the state; to train on different data, start a new run instead of loading it.")
         if isinstance(state, Mapping) and state.get("version") == 1:  # saved before schedule edits
             current["version"] = 1
+            if _edits_future(self.dataset):  # version 1 saved the whole mixture's fingerprint
+                current["fingerprint"] = self.dataset.fingerprint
             checked = check_state(state, {k: current[k] for k in _MATCHING}, _LOADER_FIELDS_V1,
                                   "DataLoader", hint)
         elif _edits_future(self.dataset):
@@ -526,6 +525,26 @@ class _Prefetcher:
 
 def _num_batches(count: int, batch_size: int, drop_last: bool) -> int:
     return count // batch_size if drop_last else -(-count // batch_size)
+
+
+class _Expanding:
+    """Widens an inner loader iterator's compact batches; the inner iterator's attributes
+    (torch's ``_workers``, ...) stay reachable through it."""
+
+    def __init__(self, inner: Iterator[Any], expand: Any, device: str | None) -> None:
+        self._inner, self._expand, self._device = inner, expand, device
+
+    def __iter__(self) -> "_Expanding":
+        return self
+
+    def __next__(self) -> Any:
+        batch = self._expand(next(self._inner))
+        return batch if self._device is None else _pin_memory(batch, self._device)
+
+    def __getattr__(self, name: str) -> Any:
+        if name == "_inner":
+            raise AttributeError(name)
+        return getattr(self._inner, name)
 
 
 class _CountingIterator:

@@ -44,6 +44,11 @@ HEADER = np.dtype([("magic", "S8"), ("first_block", "<u8"), ("blocks", "<u8"), (
 BLOCK_RECORD = np.dtype([("rows", "<i8"), ("segments", "<i8"), ("padding", "<i8"),
                          ("dropped_documents", "<i8"), ("dropped_tokens", "<i8"),
                          ("split_documents", "<i8"), ("offsets_sha256", "V32")])
+def _tokens_per_child() -> int:
+    """Below this much work per process, starting one costs more than it saves (tests lower it)."""
+    return int(os.environ.get("TORCHCACHE_TEST_PACK_TOKENS_PER_CHILD", str(2 ** 26)))
+
+
 SEGMENT_BYTES = 8 + 4 + 1  # start (int64), length (int32), continues (uint8)
 _COUNTS = ("padding", "dropped_documents", "dropped_tokens", "split_documents")
 
@@ -84,6 +89,8 @@ def plan_identity(cache_fingerprint: str, seq_len: int, long_docs: str, max_segm
     """The identity of a plan with the current algorithm and chunk size (tests may set a small
     chunk size through TORCHCACHE_TEST_PACK_CHUNK_BLOCKS to exercise many chunks)."""
     chunk_blocks = int(os.environ.get("TORCHCACHE_TEST_PACK_CHUNK_BLOCKS", "256"))
+    if max_segments is not None and max_segments >= seq_len:
+        max_segments = None  # no cap: one plan, whichever way it is said
     return PlanIdentity(cache_fingerprint, seq_len, long_docs, max_segments, seed,
                         chunk_blocks=chunk_blocks)
 
@@ -222,6 +229,7 @@ class PackPlan:
         self.root = os.path.abspath(plan_root) if plan_root is not None else default_plan_root(cache)
         self.dir = os.path.join(self.root, identity.plan_id)
         self._workers = workers
+        self._planners: _Planners | None = None  # child processes, only during extend()
         self._lock = threading.RLock()
         self._chunks: list[_Chunk | None] = []  # None: on disk, not mapped in this process yet
         self._tables: list[np.ndarray] = []  # every chunk's block table, also for unmapped ones
@@ -267,15 +275,20 @@ class PackPlan:
         with self._lock:
             before = self.rows
             B, K = self.cache.num_blocks, self.identity.chunk_blocks
-            while len(self._chunks) * K < B:
-                c = len(self._chunks)
-                first, last = c * K, min(c * K + K, B)
-                if last - first < K and not self.cache.complete:
-                    self._plan_tail(first, last, progress)
-                    break
-                self._chunks.append(self._stored_chunk(c, first, last, progress))
-                self._tables.append(self._chunks[-1].table)
-                self._tail = []
+            try:
+                while len(self._chunks) * K < B:
+                    c = len(self._chunks)
+                    first, last = c * K, min(c * K + K, B)
+                    if last - first < K and not self.cache.complete:
+                        self._plan_tail(first, last, progress)
+                        break
+                    self._chunks.append(self._stored_chunk(c, first, last, progress))
+                    self._tables.append(self._chunks[-1].table)
+                    self._tail = []
+            finally:
+                if self._planners is not None:
+                    self._planners.close()
+                    self._planners = None
             self._index()
             return self.rows > before
 
@@ -331,8 +344,13 @@ class PackPlan:
     def _compute(self, blocks: Iterable[int], progress) -> list[BlockPack]:
         blocks = list(blocks)
         ident = self.identity
-        if self._workers > 1 and len(blocks) >= 2 * self._workers and self.cache.url == self.cache.root:
-            return _compute_in_children(self.cache.root, ident, blocks, self._workers, progress)
+        starts = self.cache.block_token_starts()
+        tokens = sum(int(starts[b + 1] - starts[b]) for b in blocks)
+        if (self._workers > 1 and len(blocks) >= 2 * self._workers
+                and tokens >= _tokens_per_child() * self._workers and self.cache.url == self.cache.root):
+            if self._planners is None:
+                self._planners = _Planners(self.cache.root, ident, self._workers)
+            return self._planners.compute(blocks, progress)
         packs = []
         for b in blocks:
             packs.append(pack_block(self.cache.block_offsets(b), ident.seq_len, long_docs=ident.long_docs,
@@ -395,8 +413,11 @@ class PackPlan:
             return RowSegments(row=row, start=start, length=length, continues=continues, count=count)
 
     def _check_block(self, chunk: _Chunk, local: int, b: int) -> None:
-        """Check block b's rows once per process: every piece inside the block, rows within
-        seq_len and max_segments, pieces disjoint and covering every kept token."""
+        """Check block b's rows once per process, against the block's document offsets: every
+        piece inside one document, starting a multiple of seq_len into it, ending at its end
+        unless marked as continued (then exactly seq_len long); no row over seq_len or
+        max_segments; pieces disjoint and covering every kept document exactly; the counts true.
+        """
         r0, r1, s0, s1 = chunk.block_segments(local)
         ends = np.asarray(chunk.row_ends[r0:r1]) - s0
         starts = np.asarray(chunk.seg_start[s0:s1])
@@ -404,23 +425,42 @@ class PackPlan:
         flags = np.asarray(chunk.seg_flags[s0:s1])
         record = chunk.table[local]
         C, cap = self.identity.seq_len, self.identity.segment_cap
-        tokens = int(self.cache.block_token_starts()[b + 1] - self.cache.block_token_starts()[b])
+        offsets = self.cache.block_offsets(b)
+        doc_lengths = np.diff(offsets)
+        long = doc_lengths > C
+        if self.identity.long_docs == "drop":
+            kept = int(doc_lengths[~long].sum())
+            counts = (int(long.sum()), int(doc_lengths[long].sum()), 0)
+        else:
+            kept = int(offsets[-1])
+            counts = (0, 0, int(long.sum()))
         per_row = np.diff(np.concatenate([[0], ends]))
         problem = None
         if len(ends) and (ends[-1] != s1 - s0 or (per_row < 1).any() or (per_row > cap).any()):
             problem = "rows with no piece, too many pieces, or a bad row table"
-        elif ((lengths < 1) | (lengths > C)).any() or (starts < 0).any() or (starts + lengths > tokens).any():
+        elif len(ends) == 0 and s1 != s0:
+            problem = "pieces outside any row"
+        elif ((lengths < 1) | (lengths > C)).any() or (starts < 0).any() or (starts + lengths > offsets[-1]).any():
             problem = "a piece outside the block or longer than seq_len"
-        elif ((flags > 1) | ((flags == 1) & (lengths != C))).any():
-            problem = "a bad continuation flag"
+        elif counts != (int(record["dropped_documents"]), int(record["dropped_tokens"]),
+                        int(record["split_documents"])):
+            problem = "dropped or split counts that do not match the block"
         else:
-            used = np.add.reduceat(lengths, np.concatenate([[0], ends[:-1]])) if len(ends) else lengths
+            doc = np.searchsorted(offsets, starts, side="right") - 1
+            doc_end = offsets[doc + 1]
             order = np.argsort(starts, kind="stable")
             s, n = starts[order], lengths[order]
-            if (used > C).any() or int(record["padding"]) != len(ends) * C - int(lengths.sum()):
+            used = np.add.reduceat(lengths, np.concatenate([[0], ends[:-1]])) if len(ends) else lengths
+            if ((starts - offsets[doc]) % C != 0).any() or (starts + lengths > doc_end).any():
+                problem = "a piece that does not lie on its document's seq_len grid"
+            elif (flags != (starts + lengths < doc_end)).any():
+                problem = "a continuation flag that does not match the document"
+            elif self.identity.long_docs == "drop" and long[doc].any():
+                problem = "a piece of a document that should have been dropped"
+            elif (s[1:] < s[:-1] + n[:-1]).any() or int(lengths.sum()) != kept:
+                problem = "pieces that overlap or do not cover the documents"
+            elif (used > C).any() or int(record["padding"]) != len(ends) * C - int(lengths.sum()):
                 problem = "a row longer than seq_len, or padding that does not add up"
-            elif (s[1:] < s[:-1] + n[:-1]).any() or int(lengths.sum()) + int(record["dropped_tokens"]) > tokens:
-                problem = "overlapping pieces"
         if problem is not None:
             raise CacheFormatError(f"{os.path.join(self.dir, '%06d.pack' % (b // self.identity.chunk_blocks))}: "
                                    f"block {b}: {problem}; delete {self.dir} and the plan is "
@@ -430,17 +470,26 @@ class PackPlan:
 
 # ---------------------------------------------------------------- planning in child processes
 
-def _compute_in_children(root: str, identity: PlanIdentity, blocks: list[int], workers: int,
-                         progress) -> list[BlockPack]:
-    """Plan ``blocks`` of the local cache at ``root`` in ``workers`` fresh processes."""
-    share = -(-len(blocks) // workers)
-    ranges = [blocks[i:i + share] for i in range(0, len(blocks), share)]
-    children: list[Child] = []
-    results: dict[int, BlockPack] = {}
-    try:
-        for part in ranges:
-            children.append(start_child("torchcache.pack_plan:_child_main", root, identity.as_json(), part))
-        for child, part in zip(children, ranges):
+class _Planners:
+    """Child processes that plan blocks of a local cache; started once per extend()."""
+
+    def __init__(self, root: str, identity: PlanIdentity, workers: int):
+        self.children: list[Child] = []
+        try:
+            for _ in range(workers):
+                self.children.append(start_child("torchcache.pack_plan:_child_main", root,
+                                                 identity.as_json()))
+        except BaseException:
+            self.close()
+            raise
+
+    def compute(self, blocks: list[int], progress) -> list[BlockPack]:
+        share = -(-len(blocks) // len(self.children))
+        parts = [blocks[i:i + share] for i in range(0, len(blocks), share)]
+        for child, part in zip(self.children, parts):
+            child.conn.send(part)
+        results: dict[int, BlockPack] = {}
+        for child, part in zip(self.children, parts):
             for _ in part:
                 try:
                     message = child.conn.recv()
@@ -448,26 +497,41 @@ def _compute_in_children(root: str, identity: PlanIdentity, blocks: list[int], w
                     raise RuntimeError(f"a pack planning process exited with code "
                                        f"{child.join(5)} before planning its blocks") from None
                 if isinstance(message, tuple) and message[0] == "error":
-                    raise RuntimeError(f"planning block failed in a child process: {message[1]}")
+                    raise RuntimeError(f"planning failed in a child process: {message[1]}")
                 b, pack = message
                 results[b] = pack
                 if progress is not None:
                     progress(1)
-    finally:
-        for child in children:
-            child.kill()
-            child.join()
+        return [results[b] for b in blocks]
+
+    def close(self) -> None:
+        for child in self.children:
+            try:
+                child.conn.send(None)
+            except OSError:
+                pass
+            if child.join(5) is None:
+                child.kill()
+                child.join()
             child.close()
-    return [results[b] for b in blocks]
+        self.children = []
 
 
-def _child_main(conn, root: str, identity: dict[str, Any], blocks: list[int]) -> None:
+def _child_main(conn, root: str, identity: dict[str, Any]) -> None:
+    """Plan the block lists the parent sends until it sends None."""
     try:
         cache = TokenCache(root)
-        for b in blocks:
-            pack = pack_block(cache.block_offsets(b), identity["seq_len"], long_docs=identity["long_docs"],
-                              max_segments=identity["max_segments"], seed=identity["seed"], block=b)
-            conn.send((b, pack))
+        while True:
+            blocks = conn.recv()
+            if blocks is None:
+                return
+            for b in blocks:
+                pack = pack_block(cache.block_offsets(b), identity["seq_len"],
+                                  long_docs=identity["long_docs"],
+                                  max_segments=identity["max_segments"], seed=identity["seed"], block=b)
+                conn.send((b, pack))
+    except EOFError:  # the parent went away
+        return
     except BaseException as e:  # reported to the parent, which raises it
         conn.send(("error", f"{type(e).__name__}: {e}"))
         raise

@@ -219,24 +219,29 @@ class PackedDataset(GrowingDataset):
         num_segments = compact["num_segments"].numpy()
         continues = compact[_CONTINUES].numpy()
         n, C = tokens.shape[0], self.seq_len
-        rows = np.arange(n)
-        used = cu[rows, num_segments].astype(np.int64)  # where the documents end
-        position = np.arange(C)
-        # segment of each position: how many document starts (after the first) are <= it
-        marks = np.zeros((n, C + 1), dtype=np.int32)
-        inner = np.arange(1, cu.shape[1])[None, :] <= num_segments[:, None]  # cu[1..num_segments]
-        r, k = np.nonzero(inner)
-        marks[r, cu[r, k + 1]] = 1  # starts are distinct: every segment holds a token
-        segment = np.cumsum(marks[:, :C], axis=1)  # padding: segment num_segments
-        segment_start = np.take_along_axis(cu, np.minimum(segment, cu.shape[1] - 1), axis=1)
-        segment_end = np.where(segment < num_segments[:, None],
-                               np.take_along_axis(cu, np.minimum(segment + 1, cu.shape[1] - 1), axis=1), C)
-        ids = tokens.astype(np.int64)
-        in_doc = position[None, :] < used[:, None]
-        input_ids = np.where(in_doc, ids[:, :C], self.pad_id)
-        labels = np.where(in_doc & (position[None, :] + 1 < segment_end), ids[:, 1:], IGNORE_INDEX)
-        labels[continues, C - 1] = ids[continues, C]
-        position_ids = position[None, :] - segment_start
+        # every row as segments: its documents, then the padding (maybe empty) up to C; flat
+        ext = np.concatenate([cu, np.full((n, 1), C, dtype=cu.dtype)], axis=1).astype(np.int64)
+        bounds = ext[np.arange(ext.shape[1])[None, :] <= num_segments[:, None] + 1]
+        per_row = num_segments + 2
+        last = np.cumsum(per_row) - 1  # each row's final bound (C): no segment starts there
+        starts = np.delete(bounds, last)
+        lengths = np.delete(bounds[1:], last[:-1]) - starts if n else starts
+        row = np.repeat(np.arange(n), per_row - 1)
+        flat_starts = row * C + starts
+        padding = np.zeros(len(starts), dtype=bool)
+        padding[np.cumsum(per_row - 1) - 1] = True  # the last segment of each row
+        position_ids = np.arange(n * C, dtype=np.int64) - np.repeat(flat_starts, lengths)
+        is_pad = np.repeat(padding, lengths)
+        input_ids = tokens[:, :C].astype(np.int64).reshape(-1)
+        input_ids[is_pad] = self.pad_id
+        labels = tokens[:, 1:].astype(np.int64).reshape(-1)
+        ends = (flat_starts + lengths - 1)[~padding]  # a document's last token: no next token
+        labels[ends] = IGNORE_INDEX
+        labels[is_pad] = IGNORE_INDEX
+        cut = np.flatnonzero(continues)  # a split piece: its last label is the document's next token
+        labels[cut * C + C - 1] = tokens[cut, C].astype(np.int64)
+        input_ids, labels = input_ids.reshape(n, C), labels.reshape(n, C)
+        position_ids = position_ids.reshape(n, C)
         return {"input_ids": torch.from_numpy(input_ids), "labels": torch.from_numpy(labels),
                 "position_ids": torch.from_numpy(position_ids.astype(np.int64)),
                 "cu_seqlens": compact["cu_seqlens"], "num_segments": compact["num_segments"]}

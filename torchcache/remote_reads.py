@@ -44,6 +44,7 @@ the session.
 from __future__ import annotations
 
 import os
+import sys
 import threading
 import weakref
 from collections import OrderedDict
@@ -51,7 +52,6 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
 import numpy as np
-import torch.utils.data
 
 from .cache_files import CacheFiles, check_block_file
 from .errors import CacheFormatError
@@ -353,7 +353,9 @@ class BoundedReader:
     def _num_workers(self) -> int:
         """DataLoader workers reading this dataset (0 in the main process)."""
         if self._workers is None:
-            info = torch.utils.data.get_worker_info()
+            # torch not imported means no DataLoader worker (and keeps build workers torch-free)
+            data = sys.modules.get("torch.utils.data")
+            info = data.get_worker_info() if data is not None else None
             self._workers = info.num_workers if info is not None else 0
         return self._workers
 

@@ -395,24 +395,27 @@ class MixtureSchedule:
         if unknown:
             raise ValueError(f"max_epochs_per_source names unknown source(s) {unknown}; the sources "
                              f"are {list(self.names)}")
+        first = None  # (index, name, cap, allowed): the earliest read over a cap
         for name, cap in caps.items():
             if cap is None:
                 continue
             cap = _fraction(cap, f"max_epochs_per_source[{name!r}]")
-            n = self.lengths[self.names.index(name)]
-            allowed = math.floor(cap * n)
+            allowed = math.floor(cap * self.lengths[self.names.index(name)])
             index = self.first_over(name, allowed, stop)
-            if index is None:
-                continue
-            s = bisect.bisect_right([st.start for st in self._stages], index) - 1
-            st = self._stages[s]
-            where = f" in schedule stage {s} (from sample {st.start})" if self._is_schedule else ""
-            epochs = self.source_epochs(stop)[name]
-            raise ValueError(
-                f"source {name!r} ({n} samples) would be read {epochs:.4g} times in the first "
-                f"{stop} mixture samples, more than max_epochs_per_source={float(cap):g}: mixture "
-                f"index {index}{where} reads its sample number {allowed + 1}. Lower its weight, "
-                f"end the stage sooner, or raise the cap")
+            if index is not None and (first is None or index < first[0]):
+                first = (index, name, cap, allowed)
+        if first is None:
+            return
+        index, name, cap, allowed = first
+        s = bisect.bisect_right([st.start for st in self._stages], index) - 1
+        where = f" in schedule stage {s} (from sample {self._stages[s].start})" if self._is_schedule else ""
+        epochs = self.source_epochs(stop)[name]
+        raise ValueError(
+            f"source {name!r} ({self.lengths[self.names.index(name)]} samples) would be read "
+            f"{epochs:.4g} times in the first {stop} mixture samples, more than "
+            f"max_epochs_per_source={float(cap):g}: mixture index {index}{where} reads its sample "
+            f"number {allowed + 1} (the first read over any cap). Lower its weight, end the "
+            f"stage sooner, or raise the cap")
 
     # -- the stream -----------------------------------------------------------------------------
 
