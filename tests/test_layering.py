@@ -27,8 +27,8 @@ LAYERS = [
     ["remote_reads"],
     ["wds", "read", "verify"],
     ["inputs", "dataset", "schedule", "collate", "pack_plan"],
-    ["worker", "sample", "mix", "packed"],
-    ["commit", "loader", "recipe"],
+    ["worker", "sample", "mix", "packed", "recipe"],
+    ["commit", "loader"],
     ["executors"],
     ["ray_executor"],
     ["engine"],
@@ -151,7 +151,8 @@ def test_function_level_imports_are_only_optional_extras(name):
 def test_the_build_side_and_plans_do_not_import_torch():
     """Build workers and pack planners start fresh interpreters: importing torch (~2 s) in each
     would dominate small jobs. Only the training side (datasets, loader) imports it."""
-    code = ("import sys, torchcache, torchcache.build, torchcache.pack_plan, torchcache.worker; "
+    code = ("import sys, torchcache, torchcache.build, torchcache.pack_plan, torchcache.worker, "
+            "torchcache.cli, torchcache.recipe; "
             "print('torch' in sys.modules)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "False"

@@ -1,8 +1,10 @@
-"""The `torchcache` command line: build, convert-webdataset, info, pack, verify, upgrade, show.
+"""The `torchcache` command line: build, convert-webdataset, info, pack, mix plan, verify,
+upgrade, show.
 
 `torchcache pack CACHE --seq-len N` computes the pack plan a PackedDataset of that seq_len
 reads (in parallel, stored under CACHE/packs or --plan-dir), so training starts at once;
-`torchcache info CACHE` lists the plans stored for the cache.
+`torchcache info CACHE` lists the plans stored for the cache. `torchcache mix plan recipe.yaml`
+plans a mixture schedule over caches before the run (samples, tokens, epochs per source).
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ from .ledger import upgrade
 from .pack_plan import PackPlan, PlanIdentity, default_plan_root, list_plans, plan_identity
 from .packing import LONG_DOCS
 from .read import TokenCache
+from .recipe import plan_recipe
 from .repair import repair_cache
 from .storage import open_storage
 from .verify import verify_cache
@@ -294,6 +297,13 @@ def _pack(args: argparse.Namespace) -> int:
     return 0
 
 
+def _mix_plan(args: argparse.Namespace) -> int:
+    plan = plan_recipe(args.recipe, steps=args.steps, global_batch=args.global_batch,
+                       samples=args.samples)
+    print(json.dumps(plan.as_json(), indent=1) if args.json else plan.text())
+    return 0
+
+
 def _upgrade(args: argparse.Namespace) -> int:
     storage = open_storage(args.cache)
     lock = acquire_lock(storage)  # no builder may commit while the record is rewritten
@@ -454,6 +464,22 @@ def make_parser() -> argparse.ArgumentParser:
                         "per 268M tokens of the cache at most)")
     p.add_argument("--json", action="store_true", help="print JSON")
     p.set_defaults(func=_pack)
+
+    m = sub.add_parser("mix", help="plan a training recipe (a mixture schedule over caches)")
+    mix_sub = m.add_subparsers(dest="mix_command", required=True, metavar="COMMAND")
+    mp = mix_sub.add_parser(
+        "plan", help="per stage and per source: samples, tokens and epochs, without reading tokens",
+        description="Read a recipe (JSON, or YAML with the yaml extra; format in "
+                    "torchcache/recipe.py) and print, per stage and per source, the samples and "
+                    "tokens the run reads and how many times it goes through each source.")
+    mp.add_argument("recipe", help="recipe.json or recipe.yaml")
+    mp.add_argument("--steps", type=int, default=None, help="optimizer steps (overrides the recipe)")
+    mp.add_argument("--global-batch", type=int, default=None,
+                    help="samples per step, all ranks together (overrides the recipe)")
+    mp.add_argument("--samples", type=int, default=None,
+                    help="the run's length in samples, instead of steps x global batch")
+    mp.add_argument("--json", action="store_true", help="print JSON")
+    mp.set_defaults(func=_mix_plan)
 
     v = sub.add_parser("verify", help="recompute all checksums; non-zero exit on any bad file")
     v.add_argument("cache")

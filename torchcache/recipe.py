@@ -28,8 +28,7 @@ from dataclasses import dataclass, field
 from typing import Any, Mapping
 
 from ._args import POSITION_LIMIT, int_arg
-from .dataset import TokenDataset
-from .packed import PackedDataset
+from .pack_plan import PackPlan, plan_identity
 from .read import TokenCache
 from .schedule import MixtureSchedule
 
@@ -173,6 +172,12 @@ def plan_recipe(path: str | os.PathLike, *, steps: int | None = None,
         raise RecipeError(f"{path}: sources must be a mapping name -> {{path: ...}} with at least "
                           "one source")
     sources = [_open_source(path, name, spec, default_seq) for name, spec in sources_in.items()]
+    shapes = {(s.kind, s.seq_len) for s in sources}
+    if len(shapes) > 1:
+        described = ", ".join(f"{s.name}: {s.kind}" + (f" of seq_len {s.seq_len}" if s.seq_len else "")
+                              for s in sources)
+        raise RecipeError(f"{path}: sources give different kinds of samples ({described}); a "
+                          "MixtureDataset batches them only with the same kind and seq_len")
     lengths = {s.name: s.samples for s in sources}
     if ("schedule" in recipe) == ("weights" in recipe):
         raise RecipeError(f"{path}: give either schedule (a list of {{start, weights}}) or weights")
@@ -242,11 +247,12 @@ def _open_source(path: str, name: str, spec: Any, default_seq: Any) -> SourcePla
                               cache.num_tokens / max(1, cache.num_documents))
         if seq_len is None:
             raise RecipeError(f"{where}: give seq_len (here or at the top of the recipe)")
-        if kind == "tokens":
-            ds = TokenDataset(cache, seq_len)
-        else:
-            ds = PackedDataset(cache, seq_len)
-        return SourcePlan(name, cache_path, kind, ds.seq_len, len(ds), ds.seq_len)
+        seq_len = int_arg(seq_len, "seq_len", 1, POSITION_LIMIT)
+        if kind == "tokens":  # TokenDataset's windows
+            samples = max(0, (cache.num_tokens - 1) // seq_len)
+        else:  # PackedDataset's rows (the default options): the stored plan, or computed now
+            samples = PackPlan(cache, plan_identity(cache.fingerprint, seq_len, "split", None, 0)).rows
+        return SourcePlan(name, cache_path, kind, seq_len, samples, seq_len)
     except RecipeError:
         raise
     except (TypeError, ValueError) as e:
