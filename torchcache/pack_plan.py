@@ -171,41 +171,52 @@ class _Chunk:
                 self.seg_start.astype("<i8").tobytes(), self.seg_len.astype("<i4").tobytes(),
                 self.seg_flags.astype("u1").tobytes()]
 
-    @classmethod
-    def load(cls, path: str, identity: bytes, first_block: int, blocks: int) -> "_Chunk":
-        """Map a chunk file, checking its header, block count and size (not yet its rows)."""
+    @staticmethod
+    def read_table(path: str, identity: bytes, first_block: int, blocks: int) -> np.ndarray:
+        """A chunk file's block table (one read), its header, size and table checked."""
+        fix = f"delete {path} and it is computed again"
+        head_bytes = HEADER.itemsize + blocks * BLOCK_RECORD.itemsize
         try:
-            size = os.path.getsize(path)
-            header = np.fromfile(path, dtype=HEADER, count=1)
+            fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+            try:
+                size = os.fstat(fd).st_size
+                data = os.pread(fd, head_bytes, 0)
+            finally:
+                os.close(fd)
         except OSError as e:
             raise OSError(e.errno, f"{path}: {e.strerror}") from e
-        fix = f"delete {path} and it is computed again"
-        if len(header) != 1 or header["magic"][0] != CHUNK_MAGIC:
+        if len(data) < HEADER.itemsize or data[:8] != CHUNK_MAGIC:
             raise CacheFormatError(f"{path}: not a torchcache pack plan chunk (bad header); {fix}")
-        h = header[0]
+        h = np.frombuffer(data, dtype=HEADER, count=1)[0]
         if h["identity"].tobytes() != identity or int(h["first_block"]) != first_block or int(h["blocks"]) != blocks:
             raise CacheFormatError(f"{path}: made for another plan or other blocks (first block "
                                    f"{int(h['first_block'])}, {int(h['blocks'])} blocks; expected "
                                    f"{first_block}, {blocks}); {fix}")
         rows, segments = int(h["rows"]), int(h["segments"])
-        offset = HEADER.itemsize + blocks * BLOCK_RECORD.itemsize
-        if size != offset + rows * 8 + segments * SEGMENT_BYTES:
+        if size != head_bytes + rows * 8 + segments * SEGMENT_BYTES:
             raise CacheFormatError(f"{path}: {size} bytes, expected "
-                                   f"{offset + rows * 8 + segments * SEGMENT_BYTES} (truncated?); {fix}")
-        table = np.fromfile(path, dtype=BLOCK_RECORD, count=blocks, offset=HEADER.itemsize)
+                                   f"{head_bytes + rows * 8 + segments * SEGMENT_BYTES} (truncated?); {fix}")
+        table = np.frombuffer(data, dtype=BLOCK_RECORD, count=blocks, offset=HEADER.itemsize).copy()
         if int(table["rows"].sum()) != rows or int(table["segments"].sum()) != segments or (
                 table["rows"] < 0).any() or (table["segments"] < table["rows"]).any():
             raise CacheFormatError(f"{path}: its block table disagrees with its header; {fix}")
+        return table
 
-        def mapped(dtype: str, count: int, at: int) -> np.ndarray:
-            if count == 0:
-                return np.empty(0, dtype=dtype)
-            return np.memmap(path, dtype=dtype, mode="r", offset=at, shape=(count,))
+    @classmethod
+    def load(cls, path: str, identity: bytes, first_block: int, blocks: int) -> "_Chunk":
+        """Map a chunk file, checking its header, block count and size (not yet its rows)."""
+        table = cls.read_table(path, identity, first_block, blocks)
+        rows, segments = int(table["rows"].sum()), int(table["segments"].sum())
+        offset = HEADER.itemsize + blocks * BLOCK_RECORD.itemsize
+        whole = np.memmap(path, dtype=np.uint8, mode="r")  # one mapping; the arrays are views
 
-        row_ends = mapped("<i8", rows, offset)
-        seg_start = mapped("<i8", segments, offset + rows * 8)
-        seg_len = mapped("<i4", segments, offset + rows * 8 + segments * 8)
-        seg_flags = mapped("u1", segments, offset + rows * 8 + segments * 12)
+        def part(dtype: str, count: int, at: int) -> np.ndarray:
+            return whole[at:at + count * np.dtype(dtype).itemsize].view(dtype)
+
+        row_ends = part("<i8", rows, offset)
+        seg_start = part("<i8", segments, offset + rows * 8)
+        seg_len = part("<i4", segments, offset + rows * 8 + segments * 8)
+        seg_flags = part("u1", segments, offset + rows * 8 + segments * 12)
         return cls(first_block, table, row_ends, seg_start, seg_len, seg_flags)
 
     def block_segments(self, local: int) -> tuple[int, int, int, int]:
@@ -242,8 +253,7 @@ class PackPlan:
     # ------------------------------------------------------------ pickling
     def __getstate__(self) -> dict[str, Any]:
         state = dict(self.__dict__)
-        state["_chunks"] = [c if c is not None and not isinstance(c.seg_len, np.memmap) else None
-                            for c in self._chunks]
+        state["_chunks"] = [None] * len(self._chunks)  # stored chunks: mapped again in the worker
         state["_checked"] = np.zeros(len(self._checked), dtype=bool)
         del state["_lock"]
         return state
@@ -282,8 +292,9 @@ class PackPlan:
                     if last - first < K and not self.cache.complete:
                         self._plan_tail(first, last, progress)
                         break
-                    self._chunks.append(self._stored_chunk(c, first, last, progress))
-                    self._tables.append(self._chunks[-1].table)
+                    chunk, table = self._stored_chunk(c, first, last, progress)
+                    self._chunks.append(chunk)
+                    self._tables.append(table)
                     self._tail = []
             finally:
                 if self._planners is not None:
@@ -305,27 +316,29 @@ class PackPlan:
         have = first + len(self._tail)
         self._tail.extend(self._compute(range(have, last), progress))
 
-    def _stored_chunk(self, c: int, first: int, last: int, progress) -> _Chunk:
+    def _stored_chunk(self, c: int, first: int, last: int, progress) -> tuple[None, np.ndarray]:
+        """Chunk c's block table, read from its file, or computed and written first; the rest
+        of the chunk is mapped on first use."""
         path = os.path.join(self.dir, f"{c:06d}.pack")
         if os.path.exists(path):
-            chunk = _Chunk.load(path, self.identity.digest, first, last - first)
-            self._check_digests(chunk, path)
+            table = _Chunk.read_table(path, self.identity.digest, first, last - first)
+            self._check_digests(table, first, path)
             if progress is not None:
                 progress(last - first)
-            return chunk
+            return None, table
         have = self._tail  # the tail always starts at the first unstored chunk
         packs = have + self._compute(range(first + len(have), last), progress)
         chunk = _Chunk.from_packs(first, packs, self._digests(first, last))
         self._write(path, chunk)
-        return chunk
+        return None, chunk.table  # mapped from the file on first use: O(blocks) memory here
 
     def _digests(self, first: int, last: int) -> np.ndarray:
         records = self.cache.block_table.records
         return records["offsets_checksum"][first:last].copy().view("V32").reshape(-1)
 
-    def _check_digests(self, chunk: _Chunk, path: str) -> None:
-        expected = self._digests(chunk.first_block, chunk.first_block + chunk.blocks)
-        if chunk.table["offsets_sha256"].tobytes() != expected.tobytes():
+    def _check_digests(self, table: np.ndarray, first: int, path: str) -> None:
+        expected = self._digests(first, first + len(table))
+        if table["offsets_sha256"].tobytes() != expected.tobytes():
             raise CacheFormatError(f"{path}: made for other blocks than the cache at "
                                    f"{self.cache.url} holds (rebuilt?); delete {self.dir} and the "
                                    "plan is computed again")
@@ -369,7 +382,7 @@ class PackPlan:
             first = c * K
             path = os.path.join(self.dir, f"{c:06d}.pack")
             chunk = _Chunk.load(path, self.identity.digest, first, len(self._tables[c]))
-            self._check_digests(chunk, path)
+            self._check_digests(chunk.table, first, path)
             self._chunks[c] = chunk
         return chunk
 
