@@ -239,6 +239,7 @@ class DataLoader(torch.utils.data.DataLoader):
         if self._use_get_batch and _batched_dataset(dataset):
             get_batch = dataset.get_batch
         get_items = getattr(dataset, "__getitems__", None)
+        take = getattr(indices, "take", None)  # tc.DistributedSampler's iterator
         while True:
             if size is None:
                 index = next(indices, None)
@@ -246,12 +247,15 @@ class DataLoader(torch.utils.data.DataLoader):
                     return
                 batch = self.collate_fn(dataset[index])
             else:
-                index = list(itertools.islice(indices, size))
-                if not index or self.drop_last and len(index) < size:
+                # a batch's indices as one array where the sampler can (no Python int per sample)
+                index = take(size) if take is not None else list(itertools.islice(indices, size))
+                if not len(index) or self.drop_last and len(index) < size:
                     return
                 if get_batch is not None:
                     batch = get_batch(index)
                 else:
+                    if take is not None:
+                        index = index.tolist()
                     batch = self.collate_fn(get_items(index) if get_items else [dataset[i] for i in index])
             yield batch if device is None else _pin_memory(batch, device)
 

@@ -337,7 +337,8 @@ class DistributedSampler(Sampler[int]):
         self._fresh = False
         return _SamplerIterator(self, self.position, self.iteration_length(), self._generation)
 
-    def _iterate(self, start: int, count: int | None, generation: int) -> Iterator[int]:
+    def _index_chunks(self, start: int, count: int | None) -> Iterator[np.ndarray]:
+        """The rank's indices from ``start`` (``count`` of them, or endless), as int64 arrays."""
         W, r = self.world_size, self.rank
         # Chunks start small (cheap first batch, cheap abandoned iterators) and never span more
         # than ~n positions, so one chunk touches at most two permutation epochs (when n >= W).
@@ -354,11 +355,9 @@ class DistributedSampler(Sampler[int]):
                 if not self._growing and not self.infinite and count is None:
                     count = self.iteration_length(start)  # n is final now: so is this epoch's end
                     positions = positions[:max(0, count - j)]
-            for idx in self.indices_for_positions(positions).tolist():
-                j += 1
-                if self._generation == generation:
-                    self.position = start + j * W
-                yield idx
+            j += len(positions)
+            if len(positions):
+                yield self.indices_for_positions(positions)
 
     def __len__(self) -> int:
         """Indices the next ``iter()`` yields on this rank (``ceil(n / W)`` at a loader-epoch start)."""
@@ -505,16 +504,57 @@ class _SamplerIterator(Iterator[int]):
     def __init__(self, sampler: DistributedSampler, start: int, count: int | None, generation: int) -> None:
         self._sampler = sampler
         self._start, self._count, self._generation = start, count, generation
-        self._yielded = 0
-        self._it = sampler._iterate(start, count, generation)
+        self._restart(start, count)
+
+    def _restart(self, start: int, count: int | None) -> None:
+        self._start, self._count, self._yielded = start, count, 0
+        self._chunks = self._sampler._index_chunks(start, count)
+        self._buffer = np.empty(0, dtype=np.int64)  # the current chunk
+        self._items: list[int] | None = None  # the same as Python ints, made for __next__
+        self._at = 0  # next unread place in the chunk
 
     def __iter__(self) -> _SamplerIterator:
         return self
 
+    def _advance(self, k: int) -> None:
+        """``k`` more indices were handed out: the sampler's (dispatched) position follows."""
+        self._yielded += k
+        sampler = self._sampler
+        if sampler._generation == self._generation:
+            sampler.position = self._start + self._yielded * sampler.world_size
+
+    def _refill(self) -> bool:
+        chunk = next(self._chunks, None)
+        if chunk is None:
+            return False
+        self._buffer, self._items, self._at = chunk, None, 0
+        return True
+
     def __next__(self) -> int:
-        idx = next(self._it)
-        self._yielded += 1
+        if self._at >= len(self._buffer) and not self._refill():
+            raise StopIteration
+        if self._items is None:
+            self._items = self._buffer.tolist()
+        idx = self._items[self._at]
+        self._at += 1
+        self._advance(1)
         return idx
+
+    def take(self, n: int) -> np.ndarray:
+        """The next ``n`` indices (fewer at the end, none when done) as one int64 array: what
+        :class:`torchcache.DataLoader` reads a batch with, without a Python int per sample."""
+        parts = []
+        while n > 0:
+            if self._at >= len(self._buffer) and not self._refill():
+                break
+            part = self._buffer[self._at:self._at + n]
+            self._at += len(part)
+            n -= len(part)
+            parts.append(part)
+        out = parts[0] if len(parts) == 1 else (np.concatenate(parts) if parts
+                                                else np.empty(0, dtype=np.int64))
+        self._advance(len(out))
+        return out
 
     def state_dict(self) -> dict[str, Any]:
         sampler = self._sampler
@@ -543,5 +583,4 @@ class _SamplerIterator(Iterator[int]):
             remaining = sampler.iteration_length(position)
         if sampler._generation == self._generation:  # the live iterator: it drives the position
             sampler.position = position
-        self._start, self._count, self._yielded = position, remaining, 0
-        self._it = sampler._iterate(position, remaining, self._generation)
+        self._restart(position, remaining)
