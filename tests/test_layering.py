@@ -19,7 +19,7 @@ PACKAGE = pathlib.Path(__file__).resolve().parent.parent / "torchcache"
 # build, convert) and the read side (cache_files ... loader) share the layers below format.
 LAYERS = [
     ["errors"],
-    ["storage", "tokenizing", "_permutation", "_args", "_procs", "_lru"],
+    ["storage", "tokenizing", "_permutation", "_args", "_procs", "_lru", "prefetch"],
     ["packing"],
     ["format", "_state"],
     ["local_copies"],

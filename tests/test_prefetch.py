@@ -7,6 +7,7 @@ import json
 import os
 import sys
 import threading
+import time
 import traceback
 
 import pytest
@@ -18,6 +19,7 @@ sys.path.insert(0, os.path.dirname(__file__))
 from _helpers_resume import IdDataset, ids, make_loader, run_until  # noqa: E402
 
 import torchcache as tc  # noqa: E402
+from torchcache.prefetch import BatchReader  # noqa: E402
 
 THREAD = "torchcache-prefetch"
 
@@ -235,3 +237,130 @@ def test_a_finished_epoch_ends_its_thread():
     join_all(threads)
     with pytest.raises(StopIteration):
         next(it)
+
+
+# ---------------------------------------------------------------- our own batches (BatchReader)
+
+class ThreadRecording(tc.TokenDataset):
+    """A TokenDataset that records which thread made each batch (get_batch, not __getitems__,
+    so the loader still takes the fast path)."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.threads: list[str] = []
+        self.lock = threading.Lock()
+
+    def get_batch(self, indices):
+        with self.lock:
+            self.threads.append(threading.current_thread().name)
+        return super().get_batch(indices)
+
+
+def test_the_fast_mode_is_the_default_for_token_and_packed_data(cache_path):
+    ds = tc.TokenDataset(cache_path, 64)
+    assert tc.DataLoader(ds, batch_size=4).prefetch_batches == 4
+    assert tc.DataLoader(ds, batch_size=4, prefetch_batches=0).prefetch_batches == 0
+    assert tc.DataLoader(ds, batch_size=4, num_workers=2).prefetch_batches == 0
+    assert tc.DataLoader(ds, batch_size=4, collate_fn=default_collate).prefetch_batches == 0
+    assert tc.DataLoader(IdDataset(10), batch_size=4).prefetch_batches == 0
+    packed = tc.PackedDataset(cache_path, 64)
+    assert tc.DataLoader(packed, batch_size=4).prefetch_batches == 4
+
+
+class FakeClock:
+    """Time that moves only when told: a read takes 1 unit; the loop's step takes `step` units."""
+
+    def __init__(self) -> None:
+        self.now = 0.0
+        self.lock = threading.Lock()
+
+    def __call__(self) -> float:
+        with self.lock:
+            return self.now
+
+    def advance(self, dt: float) -> None:
+        with self.lock:
+            self.now += dt
+
+
+def reader_run(step: float, batches: int = 40, depth: int = 3):
+    """Batches 0..batches-1 through a BatchReader whose loop spends `step` units per batch;
+    -> (batches received, the thread that read each batch)."""
+    clock = FakeClock()
+    numbers = iter(range(batches))
+    readers: dict[int, str] = {}
+
+    def take():
+        return next(numbers, None)
+
+    def read(k):
+        readers[k] = threading.current_thread().name
+        clock.advance(1.0)
+        return k
+
+    received = []
+    for k in BatchReader(take, read, depth, clock=clock):
+        received.append(k)
+        clock.advance(step)
+        if step:
+            time.sleep(0.002)  # real time for the thread to read ahead meanwhile
+    return received, [readers[k] for k in range(batches)]
+
+
+def test_a_waiting_loop_reads_its_batches_itself():
+    """The loop asks for batches faster than they are read (no step): after the first few (read
+    ahead by default), the thread stops claiming and the loop's own thread reads the rest."""
+    received, readers = reader_run(step=0.0)
+    assert received == list(range(40))
+    assert readers[-30:] == ["MainThread"] * 30, readers
+
+
+def test_a_busy_loop_has_its_batches_read_ahead():
+    """The loop spends longer between batches than a read takes: the thread reads ahead."""
+    received, readers = reader_run(step=10.0)
+    assert received == list(range(40))
+    assert readers.count(THREAD) >= 20, readers
+
+
+def test_the_fast_mode_gives_the_same_batches_whichever_thread_reads(cache_path):
+    reference = [b["input_ids"] for b in tc.DataLoader(tc.TokenDataset(cache_path, 32),
+                                                        batch_size=4, prefetch_batches=0)]
+    for step in (0.0, 0.003):
+        ds = ThreadRecording(cache_path, 32)
+        got = []
+        for batch in tc.DataLoader(ds, batch_size=4):
+            got.append(batch["input_ids"])
+            time.sleep(step)
+        assert len(got) == len(reference) and all(torch.equal(a, b) for a, b in zip(got, reference))
+
+
+def test_batch_reader_resume_stops_and_errors(cache_path):
+    ds = tc.TokenDataset(cache_path, 32)
+    full = [b["input_ids"] for b in tc.DataLoader(ds, batch_size=3, shuffle=True, prefetch_batches=0)]
+    loader = tc.DataLoader(ds, batch_size=3, shuffle=True)
+    it = iter(loader)
+    head = [next(it)["input_ids"] for _ in range(5)]
+    state = json.loads(json.dumps(loader.state_dict()))
+    thread = prefetch_threads()
+    again = tc.DataLoader(ds, batch_size=3, shuffle=True)
+    again.load_state_dict(state)
+    tail = [b["input_ids"] for b in again]
+    assert all(torch.equal(a, b) for a, b in zip(head + tail, full)) and len(head + tail) == len(full)
+    loader.load_state_dict(state)  # stops the live iterator's thread
+    join_all(thread)
+    with pytest.raises(RuntimeError, match="replaced"):
+        next(it)
+
+    class Broken(tc.TokenDataset):
+        def get_batch(self, indices):
+            if 7 in list(indices):
+                raise ValueError("window 7 is unreadable")
+            return super().get_batch(indices)
+
+    broken = Broken(cache_path, 32)
+    seen = []
+    with pytest.raises(ValueError, match="window 7") as info:
+        for batch in tc.DataLoader(broken, batch_size=2, prefetch_batches=3):
+            seen.append(batch["input_ids"])
+    assert len(seen) == 3  # batches before the failing one arrive, in order
+    assert "get_batch" in "".join(traceback.format_tb(info.value.__traceback__))

@@ -78,14 +78,17 @@ class GrowingDataset(Dataset):
         TypeError for non-integers (``1.5``, ``"3"``, bools), IndexError out of range.
         """
         idx = index_array(indices, "indices").reshape(-1)
+        if idx.size == 0:
+            return idx
         n = len(self)
-        if idx.size and (idx.max() >= n or idx.min() < -n):
-            if idx.max() >= n and not self.cache.complete:
+        low, high = int(idx.min()), int(idx.max())
+        if high >= n or low < -n:
+            if high >= n and not self.cache.complete:
                 n = self.refresh()  # a worker's copy may lag the sampler's view of a growing cache
             bad = idx[(idx >= n) | (idx < -n)]
             if bad.size:
                 raise IndexError(self._out_of_range(int(bad[0]), n))
-        return np.where(idx < 0, idx + n, idx)
+        return idx if low >= 0 else np.where(idx < 0, idx + n, idx)
 
     def _check_index(self, index: int) -> int:
         """One index (any integer type, negative from the end) as a position in ``[0, len)``."""
@@ -219,7 +222,16 @@ class TokenDataset(GrowingDataset):
         >>> batch["input_ids"].shape, batch["labels"].dtype  # doctest: +SKIP
         (torch.Size([4, 2048]), torch.int64)
         """
-        return self.expand_batch(self.compact_batch(indices))
+        if self.document_boundaries:
+            return self.expand_batch(self.compact_batch(indices))
+        return self._widen(self._read(self._check(indices)))  # the hot path: no detour
+
+    def _widen(self, windows: np.ndarray) -> dict[str, torch.Tensor]:
+        """Windows (n, seq_len + 1) in the cache's dtype as int64 input_ids and labels."""
+        input_ids = torch.from_numpy(windows[:, :-1].astype(np.int64))
+        labels = (torch.from_numpy(windows[:, 1:].astype(np.int64)) if self.labels == "shifted"
+                  else input_ids.clone())
+        return {"input_ids": input_ids, "labels": labels}
 
     def compact_batch(self, indices: Sequence[int]) -> dict[str, torch.Tensor]:
         """The batch as its token windows in the cache's dtype (2 or 4 bytes a token).
@@ -256,10 +268,7 @@ class TokenDataset(GrowingDataset):
                             f"{type(compact).__name__}")
         compact = dict(compact)
         windows = compact.pop(_WINDOWS).numpy().view(self.cache.dtype)
-        input_ids = torch.from_numpy(windows[:, :-1].astype(np.int64))
-        labels = (torch.from_numpy(windows[:, 1:].astype(np.int64)) if self.labels == "shifted"
-                  else input_ids.clone())
-        return {"input_ids": input_ids, "labels": labels, **compact}
+        return {**self._widen(windows), **compact}
 
     def _boundaries(self, sample: int) -> tuple[np.ndarray, np.ndarray, int]:
         """(position_ids, cu_seqlens, num_segments) of one sample."""

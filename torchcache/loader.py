@@ -9,8 +9,6 @@ prefetched-but-unreceived batches are simply produced again.
 from __future__ import annotations
 
 import itertools
-import queue
-import threading
 import weakref
 from collections.abc import Iterator, Mapping
 from typing import Any
@@ -23,9 +21,12 @@ from ._permutation import PERMUTATION_ALGORITHM
 from ._state import check_state
 from .dataset import TokenDataset
 from .packed import PackedDataset
+from .prefetch import BatchReader, Prefetcher, batch_indices
 from .sample import DistributedSampler, dataset_length
 
 __all__ = ["DataLoader"]
+
+_DEFAULT_PREFETCH = 4  # batches read ahead by default for a TokenDataset/PackedDataset
 
 LOADER_STATE_FORMAT = "torchcache.loader"
 LOADER_STATE_VERSION = 2
@@ -61,14 +62,17 @@ class DataLoader(torch.utils.data.DataLoader):
     If the user moved the sampler explicitly (``set_position``, ``set_epoch`` on a fresh
     sampler, ``sampler.load_state_dict``), the next ``iter()`` adopts that position instead.
 
-    **Fast mode for token data:** ``num_workers=0, prefetch_batches=N`` (N >= 1; 0 = off, the
-    default; 2-4 is plenty). A daemon thread of this process reads whole batches ahead of the
-    training loop into a queue of N batches; pread, numpy and torch copies release the GIL, so
-    reading overlaps the training step, and no int64 batch is copied between processes. With no
-    ``collate_fn``, a :class:`~torchcache.TokenDataset` or :class:`~torchcache.PackedDataset`
-    makes each batch in one call (``get_batch``: the same tensors as the default collate). This
-    is the recommended setting for both (the README's Performance section has the measured figures,
-    from ``tools/bench_read.py``). Use worker
+    **Fast mode for token data, the default:** with ``num_workers=0`` (the default), no
+    ``collate_fn`` and a :class:`~torchcache.TokenDataset` or :class:`~torchcache.PackedDataset`,
+    batches are made in this process, each in one call (``get_batch``: the same tensors as the
+    default collate), ``prefetch_batches=4`` ahead. While the training loop is busy between
+    batches (a GPU step), a thread reads the next ones (pread, numpy and torch copies release the
+    GIL, so reading overlaps the step); while the loop asks faster than batches are read, the
+    loop's own thread reads the next batch, since handing batches over between threads would then
+    cost more than it saves. No batch is copied between processes. ``prefetch_batches=0`` turns
+    reading ahead off (torch's synchronous path); ``prefetch_batches=N`` also reads any other
+    dataset's batches ahead, in a thread. This is the recommended setting (the README's
+    Performance section has the measured figures, from ``tools/bench_read.py``). Use worker
     processes instead when making a batch is heavy Python work (custom transforms), which would
     hold the GIL against the training loop.
 
@@ -86,6 +90,9 @@ class DataLoader(torch.utils.data.DataLoader):
     RuntimeError); an abandoned iterator stops its thread when garbage-collected. An exception
     in the thread is re-raised by ``next()``, with its traceback. ``pin_memory`` and ``timeout``
     apply; ``prefetch_batches`` with ``num_workers > 0`` is refused.
+
+    ``prefetch_batches`` (None: 4 for the fast mode above, else 0) is the loader's own
+    argument; everything else is torch's.
 
     >>> ds = tc.TokenDataset("runs/quickstart/cache", seq_len=2048)  # doctest: +SKIP
     >>> sampler = tc.DistributedSampler(ds, shuffle=True, seed=0)  # doctest: +SKIP
@@ -113,13 +120,17 @@ class DataLoader(torch.utils.data.DataLoader):
         generator: Any = None,
         *,
         seed: int | None = None,
-        prefetch_batches: int = 0,
+        prefetch_batches: int | None = None,
         compact_transfer: bool = True,
         **kwargs: Any,
     ) -> None:
         _check_loader_args(batch_size=batch_size, shuffle=shuffle, num_workers=num_workers,
                            pin_memory=pin_memory, drop_last=drop_last, timeout=timeout, seed=seed,
                            prefetch_batches=prefetch_batches, compact_transfer=compact_transfer)
+        if prefetch_batches is None:  # the fast mode wherever it applies: our batches, in-process
+            fast = (num_workers == 0 and collate_fn is None and batch_size is not None
+                    and _batched_dataset(dataset))
+            prefetch_batches = _DEFAULT_PREFETCH if fast else 0
         if prefetch_batches and num_workers:
             raise ValueError(
                 f"prefetch_batches={prefetch_batches} reads ahead in a thread of this process and "
@@ -180,7 +191,7 @@ class DataLoader(torch.utils.data.DataLoader):
         self._sampler_version = sampler.position_version  # after the last move this loader made
         self.prefetch_batches = prefetch_batches
         self._use_get_batch = collate_fn is None
-        self._prefetcher: weakref.ref[_Prefetcher] | None = None
+        self._prefetcher: weakref.ref[Prefetcher | BatchReader] | None = None
 
     @property
     def consumed(self) -> int:
@@ -226,20 +237,34 @@ class DataLoader(torch.utils.data.DataLoader):
         if not self.prefetch_batches:
             return _CountingIterator(self, super().__iter__(), start, count, generation)
         # iter(sampler) here, not in the thread: it fixes the start position before returning
-        prefetcher = _Prefetcher(self._read_batches(iter(self.sampler)), self.prefetch_batches,
-                                 self.timeout)
+        indices = iter(self.sampler)
+        get_batch = self._batch_maker()
+        if get_batch is not None:  # our own batches: read ahead, or in this thread when waiting
+            prefetcher: Prefetcher | BatchReader = BatchReader(
+                batch_indices(indices, self.batch_size, self.drop_last), get_batch,
+                self.prefetch_batches, self.timeout)
+        else:
+            prefetcher = Prefetcher(self._read_batches(indices), self.prefetch_batches, self.timeout)
         self._prefetcher = weakref.ref(prefetcher)
         return _CountingIterator(self, prefetcher, start, count, generation)
 
+    def _batch_maker(self) -> Any:
+        """``indices -> batch`` for a TokenDataset/PackedDataset read whole (pinned if asked),
+        or None where batches go through items and a collate_fn."""
+        if not (self._use_get_batch and self.batch_size is not None and _batched_dataset(self.dataset)):
+            return None
+        get_batch = self.dataset.get_batch
+        device = _pin_device() if self.pin_memory else None
+        if device is None:
+            return get_batch
+        return lambda index: _pin_memory(get_batch(index), device)
+
     def _read_batches(self, indices: Iterator[int]) -> Iterator[Any]:
-        """The batches of one iter(), as torch's single-process iterator makes them (run in the thread)."""
+        """The batches of one iter(), as torch's single-process iterator makes them (run in the
+        Prefetcher's thread): items through ``__getitems__`` or ``__getitem__``, then collate."""
         dataset, size = self.dataset, self.batch_size
         device = _pin_device() if self.pin_memory else None
-        get_batch = None  # TokenDataset's batched read, unless a subclass changed what items are
-        if self._use_get_batch and _batched_dataset(dataset):
-            get_batch = dataset.get_batch
         get_items = getattr(dataset, "__getitems__", None)
-        take = getattr(indices, "take", None)  # tc.DistributedSampler's iterator
         while True:
             if size is None:
                 index = next(indices, None)
@@ -247,16 +272,10 @@ class DataLoader(torch.utils.data.DataLoader):
                     return
                 batch = self.collate_fn(dataset[index])
             else:
-                # a batch's indices as one array where the sampler can (no Python int per sample)
-                index = take(size) if take is not None else list(itertools.islice(indices, size))
-                if not len(index) or self.drop_last and len(index) < size:
+                index = list(itertools.islice(indices, size))
+                if not index or self.drop_last and len(index) < size:
                     return
-                if get_batch is not None:
-                    batch = get_batch(index)
-                else:
-                    if take is not None:
-                        index = index.tolist()
-                    batch = self.collate_fn(get_items(index) if get_items else [dataset[i] for i in index])
+                batch = self.collate_fn(get_items(index) if get_items else [dataset[i] for i in index])
             yield batch if device is None else _pin_memory(batch, device)
 
     def _expanded(self, compact_batches: Iterator[Any]) -> Iterator[Any]:
@@ -385,7 +404,7 @@ def _check_loader_args(*, batch_size: Any, shuffle: Any, num_workers: Any, pin_m
     bool_arg(drop_last, "drop_last")
     number_arg(timeout, "timeout", 0)
     optional_int_arg(seed, "seed", 0)
-    int_arg(prefetch_batches, "prefetch_batches", 0)
+    optional_int_arg(prefetch_batches, "prefetch_batches", 0)
     bool_arg(compact_transfer, "compact_transfer")
 
 
@@ -435,96 +454,6 @@ def _pin_device() -> str | None:
         return "cuda" if torch.cuda.is_available() else None
     device = accelerator.current_accelerator() if accelerator.is_available() else None
     return None if device is None or device.type == "mps" else device.type
-
-
-class _Failure:
-    """An exception raised in the prefetch thread, on its way to the consumer."""
-
-    def __init__(self, error: BaseException) -> None:
-        self.error = error
-
-
-_END = object()
-
-
-def _prefetch(batches: Iterator[Any], out: queue.Queue, stop: threading.Event) -> None:
-    """Prefetch thread body. It holds no reference to its _Prefetcher, so that one can be collected."""
-    try:
-        for batch in batches:
-            if not _put(out, batch, stop):
-                return
-        item: Any = _END
-    except BaseException as e:  # noqa: BLE001 - handed to the consumer, which re-raises it
-        item = _Failure(e)
-    _put(out, item, stop)
-
-
-def _put(out: queue.Queue, item: Any, stop: threading.Event) -> bool:
-    while not stop.is_set():
-        try:
-            out.put(item, timeout=0.1)
-            return not stop.is_set()
-        except queue.Full:
-            pass
-    return False
-
-
-class _Prefetcher:
-    """Iterates ``batches`` in a daemon thread, at most ``depth`` batches ahead of ``next()``."""
-
-    def __init__(self, batches: Iterator[Any], depth: int, timeout: float = 0) -> None:
-        self._queue: queue.Queue = queue.Queue(depth)
-        self._stop = threading.Event()
-        self._timeout = timeout
-        self._finished = False
-        self._thread = threading.Thread(target=_prefetch, args=(batches, self._queue, self._stop),
-                                        name="torchcache-prefetch", daemon=True)
-        self._thread.start()
-
-    def __iter__(self) -> _Prefetcher:
-        return self
-
-    def __next__(self) -> Any:
-        if self._finished:
-            raise StopIteration
-        if self._stop.is_set():
-            raise RuntimeError("this DataLoader iterator was stopped: a new iter() or "
-                               "load_state_dict() of its loader replaced it")
-        step = min(1.0, self._timeout) if self._timeout else 1.0
-        waited = 0.0
-        while True:
-            try:
-                item = self._queue.get(timeout=step)
-                break
-            except queue.Empty:
-                waited += step
-                if not self._thread.is_alive() and self._queue.empty():
-                    raise RuntimeError("the DataLoader prefetch thread ended unexpectedly") from None
-                if self._timeout and waited >= self._timeout:
-                    raise RuntimeError(f"DataLoader timed out after {self._timeout} seconds") from None
-        if item is _END or isinstance(item, _Failure):
-            self._finished = True
-            if item is _END:
-                raise StopIteration
-            raise item.error
-        return item
-
-    def close(self, timeout: float = 5.0) -> None:
-        """Stop the thread and drop the batches it read ahead."""
-        self._stop.set()
-        while True:
-            try:
-                self._queue.get_nowait()
-            except queue.Empty:
-                break
-        if self._thread is not threading.current_thread():
-            self._thread.join(timeout)
-
-    def __del__(self) -> None:
-        try:
-            self.close(timeout=1.0)
-        except Exception:
-            pass
 
 
 def _num_batches(count: int, batch_size: int, drop_last: bool) -> int:

@@ -1,0 +1,306 @@
+"""Reading a DataLoader's batches ahead of the training loop, in a thread of the same process.
+
+Two readers, both yielding batches in order and stopping cleanly (``close()``, or when dropped):
+
+- :class:`Prefetcher` runs any iterator of batches in a daemon thread, ``depth`` batches ahead.
+- :class:`BatchReader` is for batches the package makes itself (``get_batch`` of its datasets,
+  which are thread-safe). While the training loop is busy between batches (a GPU step), a thread
+  reads the next batches ahead, as the Prefetcher does. While the loop asks for batches faster
+  than they are read, handing each batch over from a thread costs more than it saves (both
+  threads need the GIL), so the loop's own thread reads the next batch instead. Which thread
+  reads a batch never changes the batch: batch ``k`` is always the ``k``-th claim of indices.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import numpy as np
+
+__all__ = ["BatchReader", "Failure", "Prefetcher"]
+
+_THREAD_NAME = "torchcache-prefetch"
+
+
+class Failure:
+    """An exception raised while reading a batch, on its way to the training loop."""
+
+    def __init__(self, error: BaseException) -> None:
+        self.error = error
+
+
+def _stopped_error() -> RuntimeError:
+    return RuntimeError("this DataLoader iterator was stopped: a new iter() or load_state_dict() "
+                        "of its loader replaced it")
+
+
+def _wait(cond: threading.Condition, ready: Callable[[], bool], timeout: float,
+          thread: threading.Thread) -> None:
+    """Wait on ``cond`` (held) until ``ready()``; RuntimeError after ``timeout`` s (0: never)
+    or if the reading thread died without delivering."""
+    step = min(1.0, timeout) if timeout else 1.0
+    waited = 0.0
+    while not ready():
+        if not cond.wait(step):
+            waited += step
+            if ready():
+                return
+            if not thread.is_alive():
+                raise RuntimeError("the DataLoader prefetch thread ended unexpectedly")
+            if timeout and waited >= timeout:
+                raise RuntimeError(f"DataLoader timed out after {timeout} seconds")
+
+
+# ---------------------------------------------------------------- any batches, in a thread
+
+class _PrefetchState:
+    """What the Prefetcher's thread shares with it (the thread holds no reference to the
+    Prefetcher itself, so a dropped iterator is collected and stops its thread)."""
+
+    def __init__(self, depth: int) -> None:
+        self.cond = threading.Condition(threading.Lock())
+        self.items: list[Any] = []
+        self.depth = depth
+        self.stop = False
+        self.done = False  # the thread put its last item (a batch, END or a Failure)
+
+
+_END = object()
+
+
+def _prefetch(batches: Iterator[Any], state: _PrefetchState) -> None:
+    try:
+        for batch in batches:
+            with state.cond:
+                while len(state.items) >= state.depth and not state.stop:
+                    state.cond.wait()
+                if state.stop:
+                    return
+                state.items.append(batch)
+                state.cond.notify_all()
+        item: Any = _END
+    except BaseException as e:  # noqa: BLE001 - handed to the consumer, which re-raises it
+        item = Failure(e)
+    with state.cond:
+        state.items.append(item)
+        state.done = True
+        state.cond.notify_all()
+
+
+class Prefetcher:
+    """Iterates ``batches`` in a daemon thread, at most ``depth`` batches ahead of ``next()``."""
+
+    def __init__(self, batches: Iterator[Any], depth: int, timeout: float = 0) -> None:
+        self._state = _PrefetchState(depth)
+        self._timeout = timeout
+        self._finished = False
+        self._thread = threading.Thread(target=_prefetch, args=(batches, self._state),
+                                        name=_THREAD_NAME, daemon=True)
+        self._thread.start()
+
+    def __iter__(self) -> Prefetcher:
+        return self
+
+    def __next__(self) -> Any:
+        if self._finished:
+            raise StopIteration
+        state = self._state
+        with state.cond:
+            if state.stop:
+                raise _stopped_error()
+            _wait(state.cond, lambda: bool(state.items), self._timeout, self._thread)
+            item = state.items.pop(0)
+            state.cond.notify_all()
+        if item is _END or isinstance(item, Failure):
+            self._finished = True
+            if item is _END:
+                raise StopIteration
+            raise item.error
+        return item
+
+    def close(self, timeout: float = 5.0) -> None:
+        """Stop the thread and drop the batches it read ahead."""
+        state = self._state
+        with state.cond:
+            state.stop = True
+            state.items.clear()
+            state.cond.notify_all()
+        if self._thread is not threading.current_thread():
+            self._thread.join(timeout)
+
+    def __del__(self) -> None:
+        try:
+            self.close(timeout=1.0)
+        except Exception:
+            pass
+
+
+# ---------------------------------------------------------------- the package's own batches
+
+class _ReaderState:
+    """The claims and results a BatchReader shares with its thread."""
+
+    def __init__(self, take: Callable[[], Any], read: Callable[[Any], Any], depth: int,
+                 clock: Callable[[], float]) -> None:
+        lock = threading.Lock()
+        self.cond = threading.Condition(lock)  # the loop waits here for a batch
+        self.work = threading.Condition(lock)  # the thread waits here for something to read
+        self.take, self.read, self.depth, self.clock = take, read, depth, clock
+        self.claimed = 0  # batches whose indices were taken (numbered in that order)
+        self.wanted = 0  # the next batch the loop receives
+        self.end: int | None = None  # number of batches, once the indices ran out
+        self.claiming = False  # someone is taking indices (outside the lock)
+        self.results: dict[int, Any] = {}
+        self.ahead = True  # the thread reads ahead (the loop is busy between batches)
+        self.read_s = 0.0  # recent time to read a batch
+        self.stop = False
+
+    def claim(self) -> tuple[int, Any] | None:
+        """Take the next batch's indices (lock held on entry and exit, released while taking)."""
+        self.claiming = True
+        self.cond.release()
+        try:
+            index = self.take()
+        finally:
+            self.cond.acquire()
+            self.claiming = False
+            self.cond.notify_all()
+            if self.ahead:
+                self.work.notify()
+        if index is None:
+            if self.end is None:
+                self.end = self.claimed
+            return None
+        k = self.claimed
+        self.claimed += 1
+        return k, index
+
+    def fill(self, k: int, index: Any) -> None:
+        """Read batch ``k`` (lock held on entry and exit, released while reading)."""
+        self.cond.release()
+        start = self.clock()
+        try:
+            item: Any = self.read(index)
+        except BaseException as e:  # noqa: BLE001 - handed to the consumer, which re-raises it
+            item = Failure(e)
+        spent = self.clock() - start
+        self.cond.acquire()
+        self.read_s = spent if not self.read_s else 0.8 * self.read_s + 0.2 * spent
+        self.results[k] = item
+        self.cond.notify_all()
+
+
+def _read_ahead(state: _ReaderState) -> None:
+    with state.cond:
+        while True:
+            while not state.stop and state.end is None and (
+                    not state.ahead or state.claiming or state.claimed - state.wanted >= state.depth):
+                state.work.wait()
+            if state.stop or state.end is not None:
+                return
+            job = state.claim()
+            if job is None:
+                return
+            state.fill(*job)
+
+
+class BatchReader:
+    """Batches ``read(take())``, in order: read ahead in a thread while the loop is busy
+    between batches, and in the loop's own thread while it waits for them (see the module).
+
+    ``take()`` gives the next batch's indices, or None at the end; it is only ever called by one
+    thread at a time, in batch order. ``read(indices)`` may run in either thread. ``clock``
+    measures the loop's time between batches and the reads (tests give a fake one).
+    """
+
+    #: Read ahead in the thread while the loop spends more than this share of a batch's read
+    #: time between two next() calls; below it the loop reads itself.
+    AHEAD_SHARE = 0.5
+
+    def __init__(self, take: Callable[[], Any], read: Callable[[Any], Any], depth: int,
+                 timeout: float = 0, clock: Callable[[], float] = time.perf_counter) -> None:
+        self._clock = clock
+        self._state = _ReaderState(take, read, depth, clock)
+        self._timeout = timeout
+        self._finished = False
+        self._returned_at: float | None = None
+        self._busy_s = 0.0  # recent time the loop spends between next() calls
+        self._thread = threading.Thread(target=_read_ahead, args=(self._state,), name=_THREAD_NAME,
+                                        daemon=True)
+        self._thread.start()
+
+    def __iter__(self) -> BatchReader:
+        return self
+
+    def __next__(self) -> Any:
+        if self._finished:
+            raise StopIteration
+        now = self._clock()
+        state = self._state
+        with state.cond:
+            if state.stop:
+                raise _stopped_error()
+            if self._returned_at is not None:
+                busy = now - self._returned_at
+                self._busy_s = busy if not self._busy_s else 0.8 * self._busy_s + 0.2 * busy
+                ahead = self._busy_s > self.AHEAD_SHARE * state.read_s
+                if ahead != state.ahead:
+                    state.ahead = ahead
+                    state.work.notify()
+            k = state.wanted
+            while k not in state.results:
+                if state.end is not None and k >= state.end:
+                    self._finished = True
+                    raise StopIteration
+                if state.claimed == k and not state.claiming:  # nobody reads it: read it here
+                    job = state.claim()
+                    if job is not None:
+                        state.fill(*job)
+                    continue
+                _wait(state.cond, lambda: k in state.results or state.stop or (
+                    state.end is not None and k >= state.end) or (
+                    state.claimed == k and not state.claiming), self._timeout, self._thread)
+                if state.stop:
+                    raise _stopped_error()
+            item = state.results.pop(k)
+            state.wanted = k + 1
+            if state.ahead:
+                state.work.notify()
+        if isinstance(item, Failure):
+            self._finished = True
+            raise item.error
+        self._returned_at = self._clock()
+        return item
+
+    def close(self, timeout: float = 5.0) -> None:
+        """Stop the thread and drop the batches read ahead."""
+        state = self._state
+        with state.cond:
+            state.stop = True
+            state.results.clear()
+            state.cond.notify_all()
+            state.work.notify_all()
+        if self._thread is not threading.current_thread():
+            self._thread.join(timeout)
+
+    def __del__(self) -> None:
+        try:
+            self.close(timeout=1.0)
+        except Exception:
+            pass
+
+
+def batch_indices(indices: Any, size: int, drop_last: bool) -> Callable[[], np.ndarray | list | None]:
+    """``take()`` for a BatchReader: the next ``size`` indices of a sampler iterator (an array
+    where the iterator has ``take``), None at the end (or before a short batch with drop_last)."""
+    take = getattr(indices, "take", None)
+
+    def next_batch() -> Any:
+        index = take(size) if take is not None else [i for _, i in zip(range(size), indices)]
+        if not len(index) or drop_last and len(index) < size:
+            return None
+        return index
+    return next_batch
