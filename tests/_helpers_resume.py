@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import json
 import os
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import numpy as np
 import torch
@@ -55,29 +56,29 @@ def interleave(per_rank: Sequence[Sequence[int]]) -> list[int]:
     return [int(x) for row in zip(*per_rank) for x in row]
 
 
-def lockstep_steps(loaders: Sequence[DataLoader], num_steps: int) -> list[list[int]]:
-    """Run one loader per simulated rank in lock-step; each step's ids from all ranks.
+def lockstep_steps(loaders: Sequence[DataLoader], num_steps: int | None,
+                   keys: Callable[[Any], list] | None = None) -> list[list]:
+    """Run one loader per simulated rank in lock-step; each step's ids (``keys(batch)``, default
+    the batch's ids) from all ranks. ``num_steps=None``: until the loaders' current epoch ends.
 
     A new ``iter()`` is started on every rank when their iterators end (all at once).
     """
-    steps: list[list[int]] = []
+    keys = keys or ids
+    steps: list[list] = []
     iters = [iter(l) for l in loaders]
     empty_epochs = 0
-    while len(steps) < num_steps:
-        batches = []
-        for it in iters:
-            try:
-                batches.append(next(it))
-            except StopIteration:
-                batches.append(None)
+    while num_steps is None or len(steps) < num_steps:
+        batches = [next(it, None) for it in iters]
         if all(b is None for b in batches):
+            if num_steps is None:
+                break
             empty_epochs += 1
             assert empty_epochs < 3, "loaders keep yielding empty epochs"
             iters = [iter(l) for l in loaders]
             continue
         assert all(b is not None for b in batches), "ranks ended their epoch at different steps"
         empty_epochs = 0
-        steps.append([i for b in batches for i in ids(b)])
+        steps.append([i for b in batches for i in keys(b)])
     return steps
 
 

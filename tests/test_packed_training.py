@@ -14,6 +14,7 @@ from collections import Counter
 import numpy as np
 import pytest
 import torch
+from _helpers_resume import lockstep_steps
 from conftest import paragraphs, write_jsonl
 from torch.utils.data import default_collate
 
@@ -294,24 +295,8 @@ def test_spawned_workers_give_the_same_batches(ds):
 
 
 def lockstep_rows(loaders, num_steps: int | None = None) -> list[list[bytes]]:
-    """tests/_helpers_resume.lockstep_steps for dict batches: each global step's rows (as keys).
-    ``num_steps=None``: until the loaders' current epoch ends."""
-    steps: list[list[bytes]] = []
-    iters = [iter(loader) for loader in loaders]
-    empty_epochs = 0
-    while num_steps is None or len(steps) < num_steps:
-        batches = [next(it, None) for it in iters]
-        if all(b is None for b in batches):
-            if num_steps is None:
-                break
-            empty_epochs += 1
-            assert empty_epochs < 3, "loaders keep yielding empty epochs"
-            iters = [iter(loader) for loader in loaders]
-            continue
-        assert all(b is not None for b in batches), "ranks ended their epoch at different steps"
-        empty_epochs = 0
-        steps.append([key for b in batches for key in row_keys(b)])
-    return steps
+    """Each global step's rows (as keys) from one loader per simulated rank, in lock-step."""
+    return lockstep_steps(loaders, num_steps, keys=row_keys)
 
 
 @pytest.mark.parametrize("new_world, new_batch", [(3, 4), (1, 8)])

@@ -54,6 +54,29 @@ def _wait(cond: threading.Condition, ready: Callable[[], bool], timeout: float,
                 raise RuntimeError(f"DataLoader timed out after {timeout} seconds")
 
 
+class _Threaded:
+    """A reader with a thread: ``close()`` (or dropping it) stops the thread and drops what it
+    read ahead. Subclasses set ``_state`` (with ``cond``, ``stop`` and ``drop()``) and ``_thread``."""
+
+    _state: Any
+    _thread: threading.Thread
+
+    def close(self, timeout: float = 5.0) -> None:
+        """Stop the thread and drop the batches it read ahead."""
+        state = self._state
+        with state.cond:
+            state.stop = True
+            state.drop()
+        if self._thread is not threading.current_thread():
+            self._thread.join(timeout)
+
+    def __del__(self) -> None:
+        try:
+            self.close(timeout=1.0)
+        except Exception:
+            pass
+
+
 # ---------------------------------------------------------------- any batches, in a thread
 
 class _PrefetchState:
@@ -66,6 +89,10 @@ class _PrefetchState:
         self.depth = depth
         self.stop = False
         self.done = False  # the thread put its last item (a batch, END or a Failure)
+
+    def drop(self) -> None:
+        self.items.clear()
+        self.cond.notify_all()
 
 
 _END = object()
@@ -90,7 +117,7 @@ def _prefetch(batches: Iterator[Any], state: _PrefetchState) -> None:
         state.cond.notify_all()
 
 
-class Prefetcher:
+class Prefetcher(_Threaded):
     """Iterates ``batches`` in a daemon thread, at most ``depth`` batches ahead of ``next()``."""
 
     def __init__(self, batches: Iterator[Any], depth: int, timeout: float = 0) -> None:
@@ -121,23 +148,6 @@ class Prefetcher:
             raise item.error
         return item
 
-    def close(self, timeout: float = 5.0) -> None:
-        """Stop the thread and drop the batches it read ahead."""
-        state = self._state
-        with state.cond:
-            state.stop = True
-            state.items.clear()
-            state.cond.notify_all()
-        if self._thread is not threading.current_thread():
-            self._thread.join(timeout)
-
-    def __del__(self) -> None:
-        try:
-            self.close(timeout=1.0)
-        except Exception:
-            pass
-
-
 # ---------------------------------------------------------------- the package's own batches
 
 class _ReaderState:
@@ -157,6 +167,11 @@ class _ReaderState:
         self.ahead = True  # the thread reads ahead (the loop is busy between batches)
         self.read_s = 0.0  # recent time to read a batch
         self.stop = False
+
+    def drop(self) -> None:
+        self.results.clear()
+        self.cond.notify_all()
+        self.work.notify_all()
 
     def claim(self) -> tuple[int, Any] | None:
         """Take the next batch's indices (lock held on entry and exit, released while taking)."""
@@ -207,7 +222,7 @@ def _read_ahead(state: _ReaderState) -> None:
             state.fill(*job)
 
 
-class BatchReader:
+class BatchReader(_Threaded):
     """Batches ``read(take())``, in order: read ahead in a thread while the loop is busy
     between batches, and in the loop's own thread while it waits for them (see the module).
 
@@ -274,23 +289,6 @@ class BatchReader:
             raise item.error
         self._returned_at = self._clock()
         return item
-
-    def close(self, timeout: float = 5.0) -> None:
-        """Stop the thread and drop the batches read ahead."""
-        state = self._state
-        with state.cond:
-            state.stop = True
-            state.results.clear()
-            state.cond.notify_all()
-            state.work.notify_all()
-        if self._thread is not threading.current_thread():
-            self._thread.join(timeout)
-
-    def __del__(self) -> None:
-        try:
-            self.close(timeout=1.0)
-        except Exception:
-            pass
 
 
 def batch_indices(indices: Any, size: int, drop_last: bool) -> Callable[[], np.ndarray | list | None]:
