@@ -36,7 +36,7 @@ _SAMPLER_FIELDS = ("format", "version", "counts", "position", "world_size", "alg
                    "shuffle", "num_samples", "window")
 _ITERATOR_FIELDS = _SAMPLER_FIELDS + ("remaining",)
 
-_CHUNK = 1024  # positions per rank mapped in one vectorised call while iterating
+_CHUNK = 8192  # positions per rank mapped in one vectorised call while iterating (~40 ns each)
 _PERM_CACHE = 4  # Permutation objects kept (an iteration chunk spans at most a few epochs)
 
 
