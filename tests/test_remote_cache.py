@@ -378,3 +378,22 @@ def test_without_a_limit_every_block_read_is_copied_and_counted(tmp_path, remote
     assert stats["whole_block_downloads"] == len(copied) == 3 and stats["ranged_reads"] == 0
     assert stats["bytes_downloaded"] == sum(p.stat().st_size for p in copied)
     assert stats["cache_limit"] is None and stats["local_bytes"] == stats["bytes_downloaded"]
+
+
+@pytest.mark.slow
+@pytest.mark.s3
+def test_packed_rows_of_a_remote_cache_under_a_limit(tmp_path, remote, s3):
+    """A PackedDataset over a remote cache: the plan is stored beside the local copies (outside
+    the copy folder and its limit) and the rows equal those of the same cache read locally."""
+    url, local, _ = remote
+    limit = 4 * 4_100
+    copies = tmp_path / "copies"
+    cache = tc.TokenCache(url, storage_options=s3, local_dir=str(copies), cache_limit=limit)
+    packed = tc.PackedDataset(cache, 64)
+    reference = tc.PackedDataset(local, 64, plan_dir=tmp_path / "plans")
+    assert len(packed) == len(reference) and packed.fingerprint == reference.fingerprint
+    assert os.path.isdir(cache.root + ".packs") and not (copies / "packs").exists()
+    rows = np.random.default_rng(0).permutation(len(packed))[:48]
+    got, want = packed.get_batch(rows), reference.get_batch(rows)
+    assert all(torch.equal(got[key], want[key]) for key in want)
+    assert dir_bytes(cache.root) <= limit
