@@ -255,12 +255,14 @@ class PackPlan:
         state = dict(self.__dict__)
         state["_chunks"] = [None] * len(self._chunks)  # stored chunks: mapped again in the worker
         state["_checked"] = np.zeros(len(self._checked), dtype=bool)
+        state["_tail_chunk"] = None  # made again from _tail
         del state["_lock"]
         return state
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         self.__dict__.update(state)
         self._lock = threading.RLock()
+        self._index()
 
     # ------------------------------------------------------------ coverage
     @property

@@ -63,11 +63,11 @@ class PackedDataset(GrowingDataset):
         workers: processes that compute a missing plan (default 1; the CLI uses all CPUs).
 
     >>> ds = tc.PackedDataset("runs/quickstart/cache", seq_len=2048)  # doctest: +SKIP
-    >>> len(ds), round(ds.padding_fraction, 4)  # doctest: +SKIP
-    (694, 0.0021)
-    >>> ds.row_documents(0)[:2]  # (document, start, end) in document tokens  # doctest: +SKIP
-    [(3, 0, 2048)]
-    >>> loader = tc.DataLoader(ds, batch_size=8, shuffle=True, num_workers=2)  # doctest: +SKIP
+    >>> len(ds), round(ds.padding_fraction, 4)  # 14 books, one block each  # doctest: +SKIP
+    (43, 0.1423)
+    >>> ds.row_documents(5)  # (document, start, end): tokens 2048-4096 of book 3  # doctest: +SKIP
+    [(3, 2048, 4096)]
+    >>> loader = tc.DataLoader(ds, batch_size=8, shuffle=True)  # in-process, 4 ahead  # doctest: +SKIP
     """
 
     def __init__(self, cache: TokenCache | str | os.PathLike, seq_len: int, *,
@@ -98,7 +98,7 @@ class PackedDataset(GrowingDataset):
         """Identity of the row stream (saved in loader states): the cache and the plan.
 
         >>> ds.fingerprint  # doctest: +SKIP
-        '9c1f.../packed-3e5a...'
+        'fcbf0c4f.../packed-cb7843bf...'
         """
         return f"{self.cache.fingerprint}/packed-{self.plan.identity.plan_id}"
 
@@ -126,7 +126,7 @@ class PackedDataset(GrowingDataset):
         ``split_documents``, ``dropped_documents`` and ``dropped_tokens``.
 
         >>> ds.stats()["split_documents"]  # doctest: +SKIP
-        12
+        13
         """
         totals = self.plan.totals()
         totals["padding_fraction"] = self.padding_fraction
@@ -154,7 +154,7 @@ class PackedDataset(GrowingDataset):
         ``[start, end)`` of each document (a whole document unless it was split).
 
         >>> ds.row_documents(5)  # doctest: +SKIP
-        [(17, 0, 311), (40, 0, 1702)]
+        [(3, 2048, 4096)]
         """
         i = self._check_index(index)
         segments = self.plan.segments(np.array([i], dtype=np.int64))
