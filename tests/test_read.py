@@ -92,6 +92,30 @@ def test_truncated_block_is_reported_by_reader_and_verify(cache_dir):
         tc.TokenCache(root).block_offsets(5)
 
 
+def test_a_block_changed_after_it_was_checked_is_refused_when_reopened(cache_dir, tmp_path):
+    """Blocks checked once are reopened cheaply (path and size only); a block truncated, or
+    replaced by a symlink, after that is still refused with the full check's error."""
+    root, _ = cache_dir
+    manifest = read_manifest(str(root))
+    cache = tc.TokenCache(root)
+    everything = cache.read(0, cache.num_tokens)  # every block opened and checked
+    cache.close()  # their descriptors closed: the next reads reopen them
+    assert np.array_equal(cache.read(0, cache.num_tokens), everything)
+    cache.close()
+    bad = root / manifest["blocks"][3]["path"]
+    data = bad.read_bytes()
+    bad.write_bytes(data[:-64])
+    with pytest.raises(tc.CacheFormatError, match=f"{bad}.*truncated"):
+        cache.read(0, cache.num_tokens)
+    cache.close()
+    outside = tmp_path / "elsewhere.safetensors"
+    outside.write_bytes(data)
+    bad.unlink()
+    bad.symlink_to(outside)
+    with pytest.raises(tc.CacheFormatError, match="outside the cache"):
+        cache.read(0, cache.num_tokens)
+
+
 def test_manifest_paths_outside_the_cache_are_refused(cache_dir):
     """(A v1 manifest names its files; v2 derives every name from input and block numbers.)"""
     root, _ = cache_dir

@@ -35,22 +35,33 @@ class LRUCache(Generic[V]):
 
     def get_or_make(self, key: Hashable, make: Callable[[], V]) -> V:
         """The value of ``key``, made by ``make()`` and kept if it is not cached."""
-        items = self._items
-        value = items.get(key)
+        value = self.get(key)
         if value is not None:
-            try:
-                items.move_to_end(key)
-            except KeyError:  # evicted by another thread meanwhile: still a valid value
-                pass
             return value
         value = make()
+        self.put(key, value)
+        return value
+
+    def get(self, key: Hashable) -> V | None:
+        """The value of ``key`` if cached (marked as just used), else None."""
+        value = self._items.get(key)
+        if value is not None:
+            try:
+                self._items.move_to_end(key)
+            except KeyError:  # evicted by another thread meanwhile
+                pass
+        return value
+
+    def put(self, key: Hashable, value: V) -> None:
+        """Keep ``value`` for ``key``, forgetting the least recently used values above maxsize."""
+        items = self._items
         items[key] = value
+        items.move_to_end(key)
         while len(items) > self.maxsize:
             try:
                 items.popitem(last=False)
             except KeyError:  # another thread emptied it
                 break
-        return value
 
     def clear(self) -> None:
         """Forget every value (e.g. once what they were made from has changed)."""

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import functools
 import os
+import stat
 import threading
 import weakref
 from collections import OrderedDict
@@ -36,6 +37,7 @@ __all__ = ["TokenCache"]
 _MAX_OPEN_BLOCKS = 128  # block files open at once in a process, all TokenCaches together
 _MAX_CACHED_OFFSETS = 64  # blocks whose document offsets a TokenCache keeps in memory
 _MAX_CACHED_KEYS = 4  # blocks whose document keys a TokenCache keeps (a keys file can be large)
+_MAX_CHECKED_BLOCKS = 1 << 16  # blocks a TokenCache remembers as checked (path and token start)
 
 
 def _locked(method):
@@ -221,6 +223,8 @@ class TokenCache:
         lookahead = int_arg(lookahead, "lookahead", 1, 1 << 24)
         self.verify_checksums = verify_checksums
         self._offsets: LRUCache[np.ndarray] = LRUCache(_MAX_CACHED_OFFSETS)
+        # (path, token start) of local blocks checked once, to reopen them cheaply
+        self._checked_blocks: LRUCache[tuple[str, int]] = LRUCache(_MAX_CHECKED_BLOCKS)
         self._keys_cache: LRUCache[list[str | None]] = LRUCache(_MAX_CACHED_KEYS)
         self._verified: set[str] = set()
         self._init_process_state()
@@ -371,16 +375,45 @@ class TokenCache:
 
     # ------------------------------------------------------------ block access
     def _open_block(self, b: int) -> _Block:
-        """Open block b (checked against the manifest) and add it to the process's pool."""
+        """Open block b (checked against the manifest) and add it to the process's pool.
+
+        A local block checked once is reopened cheaply (its path and where its tokens start are
+        kept): only a regular file of the recorded size, not followed through a symlink, is
+        taken as the same file; anything else goes through the full check again, which names
+        the problem. Random reads over many more blocks than the pool holds reopen blocks often.
+        """
         size = self._table.size(b)
+        known = self._checked_blocks.get(b)
+        if known is not None:
+            fd = self._reopen(known[0], size)
+            if fd is not None:
+                return self._track(_Block(fd, known[1], known[0], b, self._ref))
         path, fd = self._open_file(self._table.path(b), self._table.checksum(b), size)
         try:
             start = check_block_file(fd, path, self.dtype, self._block_tokens(b), size)
         except BaseException:
             os.close(fd)
             raise
-        block = _Block(fd, start, path, b, self._ref)
-        self._open[b] = block
+        if self._remote is None:
+            self._checked_blocks.put(b, (path, start))
+        return self._track(_Block(fd, start, path, b, self._ref))
+
+    @staticmethod
+    def _reopen(path: str, size: int) -> int | None:
+        """A descriptor of ``path`` if it is still a regular file of ``size`` bytes, else None."""
+        try:
+            fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW)
+        except OSError:
+            return None
+        st = os.fstat(fd)
+        if stat.S_ISREG(st.st_mode) and st.st_size == size:
+            return fd
+        os.close(fd)
+        return None
+
+    def _track(self, block: _Block) -> _Block:
+        """Keep a newly opened block: in this cache's table and the process's pool."""
+        self._open[block.index] = block
         _POOL.add(block)
         return block
 
