@@ -364,3 +364,30 @@ def test_batch_reader_resume_stops_and_errors(cache_path):
             seen.append(batch["input_ids"])
     assert len(seen) == 3  # batches before the failing one arrive, in order
     assert "get_batch" in "".join(traceback.format_tb(info.value.__traceback__))
+
+
+@pytest.mark.parametrize("step", [0.0, 10.0])
+def test_a_failure_to_take_indices_reaches_the_loop_in_order(step):
+    """Taking a batch's indices can fail (a growing cache that stopped growing): whichever
+    thread takes them, the loop receives the batches before, then the error."""
+    clock = FakeClock()
+    calls = iter(range(100))
+
+    def take():
+        k = next(calls)
+        if k == 5:
+            raise TimeoutError("the cache did not grow")
+        return k
+
+    def read(k):
+        clock.advance(1.0)
+        return k
+
+    received = []
+    with pytest.raises(TimeoutError, match="did not grow"):
+        for k in BatchReader(take, read, 3, clock=clock):
+            received.append(k)
+            clock.advance(step)
+            if step:
+                time.sleep(0.002)
+    assert received == [0, 1, 2, 3, 4]

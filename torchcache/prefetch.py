@@ -216,7 +216,14 @@ def _read_ahead(state: _ReaderState) -> None:
                 state.work.wait()
             if state.stop or state.end is not None:
                 return
-            job = state.claim()
+            try:
+                job = state.claim()
+            except BaseException as e:  # noqa: BLE001 - taking indices failed: the loop gets it
+                state.results[state.claimed] = Failure(e)  # in order, as the next batch
+                state.claimed += 1
+                state.end = state.claimed
+                state.cond.notify_all()
+                return
             if job is None:
                 return
             state.fill(*job)
@@ -271,7 +278,11 @@ class BatchReader(_Threaded):
                     self._finished = True
                     raise StopIteration
                 if state.claimed == k and not state.claiming:  # nobody reads it: read it here
-                    job = state.claim()
+                    try:
+                        job = state.claim()
+                    except BaseException:
+                        self._finished = True
+                        raise
                     if job is not None:
                         state.fill(*job)
                     continue
