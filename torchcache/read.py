@@ -534,39 +534,27 @@ class TokenCache:
         item = self.dtype.itemsize
         nbytes = length * item
         blocks = np.searchsorted(self._token_starts, starts, side="right") - 1
-        inside = starts + length <= self._token_starts[blocks + 1]
+        if length == 0 or not (starts + length <= self._token_starts[blocks + 1]).all():
+            # some row crosses a block boundary (rare): the general path
+            self._read_ranges(starts, np.full(len(starts), length, dtype=np.int64), out.reshape(-1),
+                              np.arange(len(starts), dtype=np.int64) * length)
+            return out
+        # the hot path (a batch of windows): the loop of _read_ranges, for equal rows, with
+        # nothing but the pread in it
         offsets = (starts - self._token_starts[blocks]) * item
         flat = memoryview(out.reshape(-1).view(np.uint8))
-        opened = self._open
-        if inside.all():  # the usual case: one pread per row and nothing else in the loop
-            preadv, at = os.preadv, 0
-            for b, offset in zip(blocks.tolist(), offsets.tolist()):
-                block = opened.get(b) or self._open_block(b)
-                block.used = True
-                dest = flat[at:at + nbytes]
-                try:
-                    got = preadv(block.fd, [dest], block.data_start + offset)
-                except OSError as e:
-                    raise OSError(e.errno, f"{block.path}: {e.strerror}") from e
-                if got != nbytes:
-                    self._read_fully(block, dest, got, block.data_start + offset)
-                at += nbytes
-            return out
-        for row, (b, offset, simple) in enumerate(zip(blocks.tolist(), offsets.tolist(),
-                                                      inside.tolist())):
-            if not simple:
-                start = int(starts[row])
-                self.read(start, start + length, out=out[row])
-                continue
+        opened, preadv, at = self._open, os.preadv, 0
+        for b, offset in zip(blocks.tolist(), offsets.tolist()):
             block = opened.get(b) or self._open_block(b)
             block.used = True
-            dest = flat[row * nbytes:(row + 1) * nbytes]
+            dest = flat[at:at + nbytes]
             try:
-                got = os.preadv(block.fd, [dest], block.data_start + offset)
+                got = preadv(block.fd, [dest], block.data_start + offset)
             except OSError as e:
                 raise OSError(e.errno, f"{block.path}: {e.strerror}") from e
             if got != nbytes:
                 self._read_fully(block, dest, got, block.data_start + offset)
+            at += nbytes
         return out
 
     @_locked
@@ -598,28 +586,39 @@ class TokenCache:
             for start, length, at in zip(starts.tolist(), lengths.tolist(), out_offsets.tolist()):
                 self.read(start, start + length, out=flat_out[at:at + length])
             return out
+        self._read_ranges(starts, lengths, flat_out, out_offsets)
+        return out
+
+    def _read_ranges(self, starts: np.ndarray, lengths: np.ndarray, flat_out: np.ndarray,
+                     out_offsets: np.ndarray) -> None:
+        """Checked ranges of a local cache into ``flat_out``: one pread per range inside one
+        block, with nothing else in the loop; a range crossing blocks through :meth:`read`."""
         item = self.dtype.itemsize
+        if not lengths.all():  # empty ranges read nothing (and may start at the very end)
+            keep = lengths > 0
+            starts, lengths, out_offsets = starts[keep], lengths[keep], out_offsets[keep]
         blocks = np.searchsorted(self._token_starts, starts, side="right") - 1
-        inside = starts + lengths <= self._token_starts[np.minimum(blocks + 1, len(self._token_starts) - 1)]
+        inside = starts + lengths <= self._token_starts[blocks + 1]
+        if not inside.all():  # rare: ranges crossing a block boundary
+            for k in np.flatnonzero(~inside).tolist():
+                start, length, at = int(starts[k]), int(lengths[k]), int(out_offsets[k])
+                self.read(start, start + length, out=flat_out[at:at + length])
+            starts, lengths, out_offsets, blocks = (
+                starts[inside], lengths[inside], out_offsets[inside], blocks[inside])
         offsets = (starts - self._token_starts[blocks]) * item
         view = memoryview(flat_out.view(np.uint8))
-        opened = self._open
-        for b, offset, length, at, simple in zip(blocks.tolist(), offsets.tolist(), lengths.tolist(),
-                                                 out_offsets.tolist(), inside.tolist()):
-            if not simple:
-                start = int(self._token_starts[b]) + offset // item
-                self.read(start, start + length, out=flat_out[at:at + length])
-                continue
+        opened, preadv = self._open, os.preadv
+        for b, offset, size, at in zip(blocks.tolist(), offsets.tolist(), (lengths * item).tolist(),
+                                       (out_offsets * item).tolist()):
             block = opened.get(b) or self._open_block(b)
             block.used = True
-            dest = view[at * item:(at + length) * item]
+            dest = view[at:at + size]
             try:
-                got = os.preadv(block.fd, [dest], block.data_start + offset)
+                got = preadv(block.fd, [dest], block.data_start + offset)
             except OSError as e:
                 raise OSError(e.errno, f"{block.path}: {e.strerror}") from e
-            if got != length * item:
+            if got != size:
                 self._read_fully(block, dest, got, block.data_start + offset)
-        return out
 
     # ------------------------------------------------------------ remote caches under a limit
     @_locked
