@@ -88,7 +88,6 @@ class _PrefetchState:
         self.items: list[Any] = []
         self.depth = depth
         self.stop = False
-        self.done = False  # the thread put its last item (a batch, END or a Failure)
 
     def drop(self) -> None:
         self.items.clear()
@@ -113,7 +112,6 @@ def _prefetch(batches: Iterator[Any], state: _PrefetchState) -> None:
         item = Failure(e)
     with state.cond:
         state.items.append(item)
-        state.done = True
         state.cond.notify_all()
 
 
