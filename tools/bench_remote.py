@@ -31,6 +31,7 @@ import time
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 import torchcache as tc  # noqa: E402
+from torchcache.local_copies import tree_bytes  # noqa: E402
 
 SHARED = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "shared", "data")
 SEQ, BATCH = 2048, 16
@@ -63,20 +64,6 @@ def start_s3() -> tuple[subprocess.Popen, dict]:
                     "client_kwargs": {"endpoint_url": endpoint, "region_name": "us-east-1"}}
 
 
-def dir_bytes(root: str) -> int:
-    seen, total = set(), 0
-    for folder, _, names in os.walk(root):
-        for name in names:
-            try:
-                st = os.lstat(os.path.join(folder, name))
-            except FileNotFoundError:
-                continue
-            if st.st_ino not in seen:
-                seen.add(st.st_ino)
-                total += st.st_size
-    return total
-
-
 def run_epoch(loader, step: float, watch: str | None) -> tuple[float, int, int]:
     """(samples/s, samples, largest local dir size seen) of the loader's next epoch."""
     largest, n = 0, 0
@@ -84,7 +71,7 @@ def run_epoch(loader, step: float, watch: str | None) -> tuple[float, int, int]:
     for batch in loader:
         n += len(batch["input_ids"])
         if watch is not None:
-            largest = max(largest, dir_bytes(watch))
+            largest = max(largest, tree_bytes(watch))
         if step:
             time.sleep(step)
     return n / (time.perf_counter() - start), n, largest

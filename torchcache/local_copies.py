@@ -51,7 +51,7 @@ from .errors import CacheFormatError
 from .storage import BLOCK_DIR, TMP_MARK, RemoteStorage
 
 __all__ = ["LocalCopies", "Reservation", "Resident", "SessionStats", "STAT_FIELDS", "fetch_verified",
-           "parse_size"]
+           "parse_size", "tree_bytes"]
 
 LOCK_NAME = ".copies.lock"
 # our reservations (a stale one, whose writer died, is ours to delete)
@@ -65,6 +65,22 @@ for _i, _p in enumerate("kmgtpe", start=1):
     _UNITS[_p] = _UNITS[_p + "b"] = 1000 ** _i
     _UNITS[_p + "i"] = _UNITS[_p + "ib"] = 1024 ** _i
 _SIZE = re.compile(r"\s*([0-9]+(?:\.[0-9]*)?|\.[0-9]+)\s*([A-Za-z]*)\s*")
+
+
+def tree_bytes(root: str) -> int:
+    """Apparent size of the files under ``root``, each counted once (a file renamed while the
+    tree is walked may be listed under both names)."""
+    seen, total = set(), 0
+    for folder, _, names in os.walk(root):
+        for name in names:
+            try:
+                st = os.lstat(os.path.join(folder, name))
+            except FileNotFoundError:
+                continue
+            if st.st_ino not in seen:
+                seen.add(st.st_ino)
+                total += st.st_size
+    return total
 
 
 def parse_size(value: Any, name: str = "cache_limit") -> int:

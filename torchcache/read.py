@@ -29,7 +29,7 @@ from ._lru import LRUCache
 from .cache_files import check_block_file, load_keys, load_offsets, locate_cache, offsets_max_size
 from .errors import CacheFormatError
 from .ledger import BlockTable, CacheState, open_state, refresh_state
-from .local_copies import STAT_FIELDS, SessionStats, parse_size
+from .local_copies import STAT_FIELDS, SessionStats, parse_size, tree_bytes
 from .remote_reads import ArrayReads, BoundedReader, ReadOrder
 
 __all__ = ["TokenCache"]
@@ -156,19 +156,6 @@ class _OpenBlocks:
 _POOL = _OpenBlocks(_MAX_OPEN_BLOCKS)
 os.register_at_fork(before=_POOL.before_fork, after_in_parent=_POOL.after_fork_in_parent,
                     after_in_child=_POOL.after_fork_in_child)
-
-
-def _tree_bytes(root: str) -> int:
-    """Apparent size of every regular file under ``root``."""
-    total = 0
-    for folder, _, names in os.walk(root):
-        for name in names:
-            try:
-                st = os.lstat(os.path.join(folder, name))
-            except FileNotFoundError:
-                continue
-            total += st.st_size
-    return total
 
 
 # ---------------------------------------------------------------- the reader
@@ -668,7 +655,7 @@ class TokenCache:
         if self._source.stats is not None:
             totals = self._source.stats.totals()
         totals["hit_rate"] = None
-        totals["local_bytes"] = _tree_bytes(self.root) if self._remote is not None else 0
+        totals["local_bytes"] = tree_bytes(self.root) if self._remote is not None else 0
         totals["cache_limit"] = None
         return totals
 
