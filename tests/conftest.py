@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import contextlib
 import gzip
 import json
 import os
+import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -53,6 +55,29 @@ def shards(tmp_path, books) -> list[str]:
     d = tmp_path / "in"
     d.mkdir()
     return [write_jsonl(d / f"part-{i}.jsonl", docs[i::3]) for i in range(3)]
+
+
+@contextlib.contextmanager
+def moto_s3(bucket: str = "bucket"):
+    """A moto S3 server on 127.0.0.1 with one empty bucket (skips the test without moto/s3fs);
+    yields the fsspec storage_options that reach it."""
+    moto_server = pytest.importorskip("moto.server")
+    pytest.importorskip("s3fs")
+    import boto3
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    port = sock.getsockname()[1]
+    sock.close()
+    server = moto_server.ThreadedMotoServer(ip_address="127.0.0.1", port=port, verbose=False)
+    server.start()
+    try:
+        endpoint = f"http://127.0.0.1:{port}"
+        boto3.client("s3", endpoint_url=endpoint, region_name="us-east-1", aws_access_key_id="testing",
+                     aws_secret_access_key="testing").create_bucket(Bucket=bucket)
+        yield {"key": "testing", "secret": "testing",
+               "client_kwargs": {"endpoint_url": endpoint, "region_name": "us-east-1"}}
+    finally:
+        server.stop()
 
 
 def tree_bytes(root: str) -> dict[str, bytes]:

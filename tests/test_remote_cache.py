@@ -10,14 +10,13 @@ from __future__ import annotations
 import json
 import logging
 import os
-import socket
 import subprocess
 import sys
 
 import numpy as np
 import pytest
 import torch
-from conftest import paragraphs, write_jsonl
+from conftest import moto_s3, paragraphs, write_jsonl
 
 import torchcache as tc
 from torchcache.local_copies import LocalCopies, parse_size
@@ -94,22 +93,9 @@ def test_dead_writers_reservation_is_reclaimed(tmp_path):
 @pytest.fixture(scope="module")
 def s3():
     """A moto S3 server on 127.0.0.1 with one bucket; yields its storage_options."""
-    moto_server = pytest.importorskip("moto.server")
-    pytest.importorskip("s3fs")
-    import boto3
-    sock = socket.socket()
-    sock.bind(("127.0.0.1", 0))
-    port = sock.getsockname()[1]
-    sock.close()
-    server = moto_server.ThreadedMotoServer(ip_address="127.0.0.1", port=port, verbose=False)
-    server.start()
-    logging.getLogger("werkzeug").setLevel(logging.ERROR)
-    endpoint = f"http://127.0.0.1:{port}"
-    boto3.client("s3", endpoint_url=endpoint, region_name="us-east-1", aws_access_key_id="testing",
-                 aws_secret_access_key="testing").create_bucket(Bucket="bucket")
-    yield {"key": "testing", "secret": "testing",
-           "client_kwargs": {"endpoint_url": endpoint, "region_name": "us-east-1"}}
-    server.stop()
+    with moto_s3() as options:
+        logging.getLogger("werkzeug").setLevel(logging.ERROR)
+        yield options
 
 
 @pytest.fixture(scope="module")

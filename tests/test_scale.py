@@ -5,13 +5,12 @@ from __future__ import annotations
 import json
 import logging
 import re
-import socket
 from collections import Counter
 
 import numpy as np
 import pytest
 import torch
-from conftest import paragraphs, tree_bytes, write_jsonl
+from conftest import moto_s3, paragraphs, tree_bytes, write_jsonl
 
 import torchcache as tc
 from torchcache.ledger import read_manifest
@@ -23,26 +22,14 @@ BLOCK = 2_000
 @pytest.fixture(scope="module")
 def s3():
     """A moto S3 server on 127.0.0.1 with one bucket; yields (storage_options, request counter)."""
-    moto_server = pytest.importorskip("moto.server")
-    pytest.importorskip("s3fs")
-    import boto3
-    sock = socket.socket()
-    sock.bind(("127.0.0.1", 0))
-    port = sock.getsockname()[1]
-    sock.close()
-    server = moto_server.ThreadedMotoServer(ip_address="127.0.0.1", port=port, verbose=False)
-    server.start()
-    endpoint = f"http://127.0.0.1:{port}"
-    boto3.client("s3", endpoint_url=endpoint, region_name="us-east-1", aws_access_key_id="testing",
-                 aws_secret_access_key="testing").create_bucket(Bucket="bucket")
-    requests = _RequestLog()
-    logging.getLogger("werkzeug").addHandler(requests)
-    logging.getLogger("werkzeug").setLevel(logging.INFO)
-    options = {"key": "testing", "secret": "testing",
-               "client_kwargs": {"endpoint_url": endpoint, "region_name": "us-east-1"}}
-    yield options, requests
-    logging.getLogger("werkzeug").removeHandler(requests)
-    server.stop()
+    with moto_s3() as options:
+        requests = _RequestLog()
+        logging.getLogger("werkzeug").addHandler(requests)
+        logging.getLogger("werkzeug").setLevel(logging.INFO)
+        try:
+            yield options, requests
+        finally:
+            logging.getLogger("werkzeug").removeHandler(requests)
 
 
 class _RequestLog(logging.Handler):
