@@ -19,7 +19,7 @@ import torch
 from conftest import moto_s3, paragraphs, write_jsonl
 
 import torchcache as tc
-from torchcache.local_copies import LocalCopies, parse_size
+from torchcache.local_copies import LocalCopies, parse_size, tree_bytes
 
 BLOCK = 2_000  # tokens per block: ~40 blocks of ~4 KB
 SEQ = 64
@@ -113,22 +113,6 @@ def remote(tmp_path_factory, books, gpt2_tokenizer_path, s3):
     return "s3://bucket/remote", str(root / "cache"), sum(p.stat().st_size for p in blocks)
 
 
-def dir_bytes(root) -> int:
-    """Apparent size of every file under root, each file counted once (a file renamed while we
-    walk may be listed under both names: count inodes)."""
-    seen, total = set(), 0
-    for folder, _, names in os.walk(root):
-        for name in names:
-            try:
-                st = os.lstat(os.path.join(folder, name))
-            except FileNotFoundError:
-                continue
-            if st.st_ino not in seen:
-                seen.add(st.st_ino)
-                total += st.st_size
-    return total
-
-
 def epoch(ds, *, workers, shuffle=True, watch=None):
     """The batches of one loader epoch; with ``watch``, the largest size of that directory seen
     at any batch."""
@@ -138,7 +122,7 @@ def epoch(ds, *, workers, shuffle=True, watch=None):
     for batch in loader:
         batches.append(batch["input_ids"])
         if watch is not None:
-            largest = max(largest, dir_bytes(watch))
+            largest = max(largest, tree_bytes(watch))
     return batches, largest
 
 
@@ -159,13 +143,13 @@ def test_shuffled_epoch_under_a_limit_a_quarter_of_the_cache(tmp_path, remote, s
     assert same(got, want)  # exactly the samples of the local copy, in the same order
     assert 0 < largest <= limit  # never above the limit, checked at every batch
     cache.close()  # waits for what this process still fetches ahead (the next epoch's reads)
-    assert dir_bytes(copies) <= limit
+    assert tree_bytes(copies) <= limit
     stats = cache.stats()  # summed over the worker processes
     assert stats["bytes_downloaded"] <= 3 * cache_bytes, stats
     assert stats["whole_block_downloads"] >= 1 and stats["ranged_reads"] >= 1
     assert stats["hits"] + stats["misses"] == sum(len(b) for b in got)  # each sample once
     assert 0 < stats["hit_rate"] < 1 and stats["prefetched"] > 0
-    assert stats["local_bytes"] == dir_bytes(copies) and stats["cache_limit"] == limit
+    assert stats["local_bytes"] == tree_bytes(copies) and stats["cache_limit"] == limit
     assert not [p for p in copies.rglob("*") if ".tmp-" in p.name]
 
     # the same epoch again: the copies kept serve part of it
@@ -214,7 +198,7 @@ def test_persistent_workers_follow_the_stream_into_the_next_epoch(tmp_path, remo
     stats = cache.stats()
     assert stats["hits"] + stats["misses"] == sum(len(b) for e in got for b in e)
     assert stats["prefetched"] > stats["misses"] // 2, stats  # most remote reads were ahead
-    assert dir_bytes(copies) <= cache_bytes // 4
+    assert tree_bytes(copies) <= cache_bytes // 4
 
 
 @pytest.mark.s3
@@ -230,13 +214,13 @@ def test_reads_without_a_plan_are_exact_and_bounded(tmp_path, remote, s3):
         start = int(rng.integers(0, ref.num_tokens - 500))
         stop = start + int(rng.integers(1, 500))
         assert np.array_equal(cache.read(start, stop), ref.read(start, stop))
-        assert dir_bytes(copies) <= limit
+        assert tree_bytes(copies) <= limit
     starts = rng.integers(0, ref.num_tokens - 65, size=40)
     assert np.array_equal(cache.read_many(starts, 65), ref.read_many(starts, 65))
     for i in (0, 5, ref.num_documents - 1):  # offsets are read into memory, never copied
         assert np.array_equal(cache.document(i), ref.document(i))
     assert not [p for p in copies.rglob("*") if "offsets" in p.name]
-    assert dir_bytes(copies) <= limit
+    assert tree_bytes(copies) <= limit
 
 
 @pytest.mark.s3
@@ -308,7 +292,7 @@ def test_a_block_in_use_is_never_evicted(tmp_path, remote, s3):
         b1 = (int(starts[1]), int(starts[2]))
         assert np.array_equal(cache.read(*b1), ref.read(*b1))
         assert cache.stats()["refused_copies"] >= 1 and cache.stats()["ranged_reads"] >= 1
-        assert copy0.exists() and dir_bytes(local_dir) <= limit
+        assert copy0.exists() and tree_bytes(local_dir) <= limit
         # an explicit eviction skips it too
         assert cache.evict(0) == 0 and copy0.exists()
         holder.stdin.write("done\n")
@@ -318,7 +302,7 @@ def test_a_block_in_use_is_never_evicted(tmp_path, remote, s3):
         assert cache.evict(0) == size0 and not copy0.exists()
         b2 = (int(starts[2]), int(starts[3]))
         assert np.array_equal(cache.read(*b2), ref.read(*b2))  # there is room now: copied
-        assert cache.stats()["whole_block_downloads"] == 1 and dir_bytes(local_dir) <= limit
+        assert cache.stats()["whole_block_downloads"] == 1 and tree_bytes(local_dir) <= limit
     finally:
         holder.kill()
         holder.wait()
@@ -382,4 +366,4 @@ def test_packed_rows_of_a_remote_cache_under_a_limit(tmp_path, remote, s3):
     rows = np.random.default_rng(0).permutation(len(packed))[:48]
     got, want = packed.get_batch(rows), reference.get_batch(rows)
     assert all(torch.equal(got[key], want[key]) for key in want)
-    assert dir_bytes(cache.root) <= limit
+    assert tree_bytes(cache.root) <= limit
