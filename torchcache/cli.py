@@ -170,10 +170,9 @@ def _stored_plan(cache: TokenCache, root: str, stored: dict) -> dict:
         out["state"], out["problem"] = "damaged", _one_line(e)
         return out
     totals = plan.totals()
-    out.update(state="complete", rows=totals["rows"], padding=totals["padding"],
-               padding_fraction=(totals["padding"] / (totals["rows"] * identity.seq_len)
-                                 if totals["rows"] else 0.0),
-               **{k: totals[k] for k in ("split_documents", "dropped_documents", "dropped_tokens")})
+    out.update(state="complete", **{k: totals[k] for k in (
+        "rows", "padding", "padding_fraction", "split_documents", "dropped_documents",
+        "dropped_tokens")})
     return out
 
 
@@ -264,7 +263,7 @@ def _pack(args: argparse.Namespace) -> int:
         "cache": cache.root, "plan": plan.dir, "plan_id": identity.plan_id, "seq_len": seq_len,
         "long_docs": identity.long_docs, "max_segments": max_segments, "seed": seed,
         "rows": rows, "padding": totals["padding"],
-        "padding_fraction": totals["padding"] / (rows * seq_len) if rows else 0.0,
+        "padding_fraction": totals["padding_fraction"],
         "split_documents": totals["split_documents"], "dropped_documents": totals["dropped_documents"],
         "dropped_tokens": totals["dropped_tokens"], "blocks": plan.blocks,
         "cache_complete": cache.complete, "chunk_files": len(after), "blocks_computed": computed,

@@ -274,12 +274,15 @@ class PackPlan:
     def rows(self) -> int:
         return int(self.row_starts[-1])
 
-    def totals(self) -> dict[str, int]:
-        """Rows and the counts of :class:`torchcache.packing.BlockPack` over covered blocks."""
+    def totals(self) -> dict[str, Any]:
+        """Rows, blocks, the counts of :class:`torchcache.packing.BlockPack` over the covered
+        blocks, and ``padding_fraction``: padding / (rows * seq_len), exact (0.0 with no rows)."""
         tables = self._tables + ([self._tail_chunk.table] if self._tail_chunk is not None else [])
-        out = {"rows": self.rows, "blocks": self.blocks}
+        out: dict[str, Any] = {"rows": self.rows, "blocks": self.blocks}
         for field in _COUNTS:
             out[field] = int(sum(int(t[field].sum()) for t in tables))
+        out["padding_fraction"] = (out["padding"] / (self.rows * self.identity.seq_len)
+                                   if self.rows else 0.0)
         return out
 
     def extend(self, progress: Callable[[int], Any] | None = None) -> bool:

@@ -128,15 +128,12 @@ class PackedDataset(GrowingDataset):
         >>> ds.stats()["split_documents"]  # doctest: +SKIP
         13
         """
-        totals = self.plan.totals()
-        totals["padding_fraction"] = self.padding_fraction
-        return totals
+        return self.plan.totals()
 
     @property
     def padding_fraction(self) -> float:
         """Padding tokens / (rows * seq_len), exact (0.0 with no rows)."""
-        rows = self.plan.rows
-        return self.plan.totals()["padding"] / (rows * self.seq_len) if rows else 0.0
+        return self.plan.totals()["padding_fraction"]
 
     @property
     def dropped_documents(self) -> int:
