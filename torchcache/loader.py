@@ -8,11 +8,11 @@ prefetched-but-unreceived batches are simply produced again.
 
 from __future__ import annotations
 
-import itertools
 import weakref
 from collections.abc import Iterator, Mapping
 from typing import Any
 
+import numpy as np
 import torch.utils.data
 from torch.utils.data._utils.pin_memory import pin_memory as _pin_memory
 
@@ -265,16 +265,18 @@ class DataLoader(torch.utils.data.DataLoader):
         dataset, size = self.dataset, self.batch_size
         device = _pin_device() if self.pin_memory else None
         get_items = getattr(dataset, "__getitems__", None)
+        next_batch = None if size is None else batch_indices(indices, size, self.drop_last)
         while True:
-            if size is None:
+            if next_batch is None:
                 index = next(indices, None)
                 if index is None:
                     return
                 batch = self.collate_fn(dataset[index])
             else:
-                index = list(itertools.islice(indices, size))
-                if not index or self.drop_last and len(index) < size:
+                index = next_batch()
+                if index is None:
                     return
+                index = index.tolist() if isinstance(index, np.ndarray) else index
                 batch = self.collate_fn(get_items(index) if get_items else [dataset[i] for i in index])
             yield batch if device is None else _pin_memory(batch, device)
 

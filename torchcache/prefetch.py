@@ -13,6 +13,7 @@ Two readers, both yielding batches in order and stopping cleanly (``close()``, o
 
 from __future__ import annotations
 
+import itertools
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -308,7 +309,7 @@ def batch_indices(indices: Any, size: int, drop_last: bool) -> Callable[[], np.n
     take = getattr(indices, "take", None)
 
     def next_batch() -> Any:
-        index = take(size) if take is not None else [i for _, i in zip(range(size), indices)]
+        index = take(size) if take is not None else list(itertools.islice(indices, size))
         if not len(index) or drop_last and len(index) < size:
             return None
         return index
