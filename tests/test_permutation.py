@@ -81,6 +81,16 @@ def test_vectorised_equals_scalar():
         assert [p.inverse(int(v)) for v in out] == idx.tolist()
 
 
+@settings(max_examples=100, deadline=None)
+@given(data=st.data(), n=st.integers(1, 2**63), key=keys)
+def test_vectorised_equals_scalar_any_n_and_size(data, n, key):
+    """Arrays of any size take the vectorised walk and finish its last walks on Python ints:
+    every value equals the single-index one."""
+    p = Permutation(n, key)
+    idx = data.draw(st.lists(st.integers(0, n - 1), max_size=300))
+    assert p(np.array(idx, dtype=np.uint64)).tolist() == [p(i) for i in idx]
+
+
 def test_accepted_index_types_and_shapes():
     p = Permutation(1000, KEY)
     expected = p(np.arange(12)).reshape(3, 4)

@@ -16,7 +16,8 @@ raw baseline: a plain ``torch.utils.data.Dataset`` over an ``np.memmap`` of the 
    order, computed beforehand) copied from the memmap into one batch and widened, in this thread
    with no DataLoader; plus a check that it overlaps reads with a (simulated, GIL-free) step;
 4. time to first batch after ``load_state_dict`` at consumed = 0 and 10**12;
-5. worker RSS over a long run (and the main process's in fast mode);
+5. worker RSS over a long run (and the main process's in fast mode, with how much of it is
+   mapped block files: at most ``TORCHCACHE_MAP_BYTES``, shared page cache);
 6. ``len(pickle.dumps(dataset))``;
 7. packed rows/s: ``tc.PackedDataset(cache, 2048)`` against ``tc.TokenDataset(cache, 2048)``
    windows/s on the same cache, both through the recommended ``tc.DataLoader(ds, batch_size=16,
@@ -257,6 +258,9 @@ def main() -> None:
     every = max(1, rss_batches // 20)
     rss_tc = rss_run(tc_loader(ds, WORKERS, infinite=True), rss_batches, every, workers=True)
     rss_fast = rss_run(tc_loader(ds, 0, PREFETCH, infinite=True), rss_batches, every, workers=False)
+    cache_root = os.path.abspath(args.cache) + os.sep
+    mapped_mb = sum(m.rss for m in psutil.Process().memory_maps()
+                    if m.path.startswith(cache_root)) / 2 ** 20
     rss_raw = None
     if not args.quick:
         infinite = tud.RandomSampler(raw, replacement=True, num_samples=10 ** 9)
@@ -315,6 +319,8 @@ def main() -> None:
                   f"{'flat' if growth < 8 else 'GROWS'}")
     rss_line("tc, 2 workers", rss_tc)
     rss_line("tc fast, main process", rss_fast)
+    print(f"{'':<36} of which mapped block files: {mapped_mb:.1f} MB (cache {cache.num_tokens * cache.dtype.itemsize / 2 ** 20:.0f} MB; "
+          f"at most TORCHCACHE_MAP_BYTES, default 256 MiB)")
     if rss_raw:
         rss_line("raw memmap, 2 workers", rss_raw)
 

@@ -15,8 +15,11 @@ evaluate a bijection ``[0, n) -> [0, n)`` one index at a time:
   land in ``[0, n)``; since the domain is ``< 2n`` this takes < 2 passes on
   average and yields a bijection on ``[0, n)``.
 
-The same code runs on Python ints (fast single-index calls) and on numpy
-``uint64`` arrays (vectorised; multiplication wraps mod 2**64 silently).
+The network runs on Python ints (fast single-index calls) and on numpy ``uint64``
+arrays (vectorised; multiplication wraps mod 2**64 silently): the array version
+uses numpy scalar constants and in-place operations, and finishes the last few
+cycle walks of a batch on Python ints (a numpy pass over a handful of values
+costs as much as over thousands). Both give the same values.
 """
 
 from __future__ import annotations
@@ -36,6 +39,9 @@ _M64 = (1 << 64) - 1
 _GOLDEN = 0x9E3779B97F4A7C15  # splitmix64 increment
 _MAX_N = 1 << 63  # outputs must fit in int64
 _MIN_ROUNDS = 6
+_SCALAR_WALKS = 8  # cycle walks left in a vectorised call that are finished on Python ints
+_MIX_SHIFTS = (np.uint64(30), np.uint64(27), np.uint64(31))
+_MIX_FACTORS = (np.uint64(0xBF58476D1CE4E5B9), np.uint64(0x94D049BB133111EB))
 
 
 def mix64(z: Any) -> Any:
@@ -94,6 +100,7 @@ class Permutation:
         bits = max(1, (n - 1).bit_length())  # smallest k with 2**k >= n (k >= 1)
         self._widths = (bits // 2, bits - bits // 2)  # (high half, low half)
         self._round_keys = [mix64((key + (i + 1) * _GOLDEN) & _M64) for i in range(rounds)]
+        self._array_constants: tuple | None = None  # numpy scalars of _forward_array (made once)
 
     def __repr__(self) -> str:
         return f"Permutation(n={self.n}, key={self.key:#018x}, rounds={self.rounds})"
@@ -104,6 +111,32 @@ class Permutation:
         for rk in self._round_keys:
             left, right = v >> b, v & ((1 << b) - 1)
             v = (right << a) | (left ^ (mix64(right ^ rk) & ((1 << a) - 1)))
+            a, b = b, a
+        return v
+
+    def _forward_array(self, v: np.ndarray) -> np.ndarray:
+        """:meth:`_forward` on a uint64 array (consumed): the same values, fewer temporaries."""
+        if self._array_constants is None:
+            widths = {w: (np.uint64(w), np.uint64((1 << w) - 1)) for w in self._widths}
+            self._array_constants = (widths, [np.uint64(rk) for rk in self._round_keys])
+        widths, round_keys = self._array_constants
+        (s30, s27, s31), (m1, m2) = _MIX_SHIFTS, _MIX_FACTORS
+        a, b = self._widths
+        for rk in round_keys:
+            shift_b, mask_b = widths[b]
+            shift_a, mask_a = widths[a]
+            left = v >> shift_b
+            v &= mask_b  # the right half
+            z = v ^ rk  # mix64(right ^ rk), in place
+            z ^= z >> s30
+            z *= m1
+            z ^= z >> s27
+            z *= m2
+            z ^= z >> s31
+            z &= mask_a
+            left ^= z
+            v <<= shift_a
+            v |= left
             a, b = b, a
         return v
 
@@ -118,8 +151,10 @@ class Permutation:
             a, b = b, a
         return v
 
-    def _apply(self, step: Callable[[Any], Any], index: Any, what: str) -> Any:
-        """Validate ``index``, then cycle-walk ``step`` until every result is < n."""
+    def _apply(self, step: Callable[[Any], Any], index: Any, what: str,
+               array_step: Callable[[np.ndarray], np.ndarray] | None = None) -> Any:
+        """Validate ``index``, then cycle-walk ``step`` until every result is < n
+        (``array_step``: the same step, faster on uint64 arrays)."""
         n = self.n
         if isinstance(index, (int, np.integer)) and not isinstance(index, (bool, np.bool_)):
             v = int(index)
@@ -144,17 +179,23 @@ class Permutation:
         if arr.max() >= n:
             raise IndexError(f"{what} {arr.max()} out of range for permutation of n={n}")
 
-        out = step(arr.ravel())
+        array_step = array_step or step
+        out = array_step(arr.ravel())  # (arr is a copy: astype copies)
         todo = np.flatnonzero(out >= n)
-        while todo.size:  # re-walk only the outputs that fell outside [0, n)
-            walked = step(out[todo])
+        while todo.size > _SCALAR_WALKS:  # re-walk only the outputs that fell outside [0, n)
+            walked = array_step(out[todo])
             out[todo] = walked
             todo = todo[walked >= n]
+        for i in todo.tolist():
+            v = step(int(out[i]))
+            while v >= n:
+                v = step(v)
+            out[i] = v
         return out.astype(np.int64).reshape(arr.shape)
 
     def __call__(self, index: Any) -> int | np.ndarray:
         """Permuted position(s) of ``index``: int -> int, array-like -> int64 array, same shape."""
-        return self._apply(self._forward, index, "index")
+        return self._apply(self._forward, index, "index", self._forward_array)
 
     def inverse(self, value: Any) -> int | np.ndarray:
         """The index ``i`` with ``self(i) == value``; same shapes as :meth:`__call__`."""

@@ -81,6 +81,8 @@ class GrowingDataset(Dataset):
         if idx.size == 0:
             return idx
         n = len(self)
+        if int(idx.view(np.uint64).max()) < n:  # the usual case in one pass: all in [0, n)
+            return idx
         low, high = int(idx.min()), int(idx.max())
         if high >= n or low < -n:
             if high >= n and not self.cache.complete:
@@ -194,7 +196,7 @@ class TokenDataset(GrowingDataset):
 
     def _read(self, idx: np.ndarray) -> np.ndarray:
         """The windows of checked sample positions ``idx``."""
-        return self.cache.read_many(idx * self.seq_len, self.seq_len + 1)
+        return self.cache._read_checked_rows(idx * self.seq_len, self.seq_len + 1)
 
     def __getitem__(self, index: int) -> dict[str, torch.Tensor]:
         return self.__getitems__([self._check_index(index)])[0]

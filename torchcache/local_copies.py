@@ -83,12 +83,12 @@ def tree_bytes(root: str) -> int:
     return total
 
 
-def parse_size(value: Any, name: str = "cache_limit") -> int:
+def parse_size(value: Any, name: str = "cache_limit", minimum: int = 1) -> int:
     """A number of bytes from an int or a string such as ``"200GB"``, ``"1.5 TB"`` or ``"500MiB"``.
 
     Units (any case): B; KB, MB, GB, TB, PB, EB (or K, M, G, ...) are powers of 1000; KiB, MiB,
     GiB, TiB, PiB, EiB (or Ki, Mi, ...) are powers of 1024. Fractions are rounded down to whole
-    bytes. Errors name the argument (``name``).
+    bytes. Errors name the argument (``name``); below ``minimum`` bytes is a ValueError.
 
     >>> parse_size("200GB"), parse_size("500MiB"), parse_size(4096)
     (200000000000, 524288000, 4096)
@@ -114,8 +114,9 @@ def parse_size(value: Any, name: str = "cache_limit") -> int:
         except TypeError:
             raise TypeError(f"{name} must be a number of bytes (an int) or a string such as '200GB' "
                             f"or '500MiB', got {type(value).__name__} {value!r}") from None
-    if number < 1:
-        raise ValueError(f"{name} must be at least 1 byte, got {value!r}")
+    if number < minimum:
+        raise ValueError(f"{name} must be at least {minimum} byte{'s' * (minimum != 1)}, "
+                         f"got {value!r}")
     return number
 
 

@@ -21,9 +21,16 @@ from typing import Any
 
 import numpy as np
 
-__all__ = ["BatchReader", "Failure", "Prefetcher"]
+__all__ = ["BatchReader", "Failure", "Prefetcher", "in_prefetch_thread"]
 
 _THREAD_NAME = "torchcache-prefetch"
+_thread_role = threading.local()
+
+
+def in_prefetch_thread() -> bool:
+    """True in a reader's thread. Reads made there should release the GIL (pread rather than a
+    copy from a memory map), so they take little from the training loop running beside them."""
+    return getattr(_thread_role, "prefetch", False)
 
 
 class Failure:
@@ -99,6 +106,7 @@ _END = object()
 
 
 def _prefetch(batches: Iterator[Any], state: _PrefetchState) -> None:
+    _thread_role.prefetch = True
     try:
         for batch in batches:
             with state.cond:
@@ -166,6 +174,11 @@ class _ReaderState:
         self.ahead = True  # the thread reads ahead (the loop is busy between batches)
         self.read_s = 0.0  # recent time to read a batch
         self.stop = False
+        self.loop_waits = False  # the loop waits on cond (nobody else does): notify it then only
+
+    def wake_loop(self) -> None:
+        if self.loop_waits:
+            self.cond.notify_all()
 
     def drop(self) -> None:
         self.results.clear()
@@ -181,7 +194,7 @@ class _ReaderState:
         finally:
             self.cond.acquire()
             self.claiming = False
-            self.cond.notify_all()
+            self.wake_loop()
             if self.ahead:
                 self.work.notify()
         if index is None:
@@ -204,10 +217,11 @@ class _ReaderState:
         self.cond.acquire()
         self.read_s = spent if not self.read_s else 0.8 * self.read_s + 0.2 * spent
         self.results[k] = item
-        self.cond.notify_all()
+        self.wake_loop()
 
 
 def _read_ahead(state: _ReaderState) -> None:
+    _thread_role.prefetch = True
     with state.cond:
         while True:
             while not state.stop and state.end is None and (
@@ -221,7 +235,7 @@ def _read_ahead(state: _ReaderState) -> None:
                 state.results[state.claimed] = Failure(e)  # in order, as the next batch
                 state.claimed += 1
                 state.end = state.claimed
-                state.cond.notify_all()
+                state.wake_loop()
                 return
             if job is None:
                 return
@@ -285,9 +299,13 @@ class BatchReader(_Threaded):
                     if job is not None:
                         state.fill(*job)
                     continue
-                _wait(state.cond, lambda: k in state.results or state.stop or (
-                    state.end is not None and k >= state.end) or (
-                    state.claimed == k and not state.claiming), self._timeout, self._thread)
+                state.loop_waits = True
+                try:
+                    _wait(state.cond, lambda: k in state.results or state.stop or (
+                        state.end is not None and k >= state.end) or (
+                        state.claimed == k and not state.claiming), self._timeout, self._thread)
+                finally:
+                    state.loop_waits = False
                 if state.stop:
                     raise _stopped_error()
             item = state.results.pop(k)

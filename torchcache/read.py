@@ -1,4 +1,4 @@
-"""TokenCache: read a cache's token stream and documents with pread, never loading it into RAM.
+"""TokenCache: read a cache's token stream and documents, never loading it into RAM.
 
 Reading a damaged or hostile cache is safe: the manifest is fully validated when read (fields,
 block names, stream order); every file is opened and checked through :mod:`torchcache.cache_files`
@@ -8,16 +8,26 @@ Anything wrong is a CacheFormatError (or an OSError) naming the file.
 
 Open block files are shared by all TokenCaches of a process in one bounded pool (see
 _OpenBlocks), so many caches (a mixture of 20 sources) never exhaust the descriptor limit.
+
+Tokens are copied out of a local block through a read-only memory map while the process maps
+at most ``TORCHCACHE_MAP_BYTES`` (default 256 MiB) of block files, and with pread beyond that.
+A mapped copy of a few KB costs a third of a pread, but the pages it touches stay counted in the
+process's RSS (as shared page cache) until the block is closed; the budget keeps that bounded,
+whatever the cache's size. DataLoader worker processes (often many per GPU, and not where the
+time goes) and remote caches' local copies always read with pread, so their RSS stays flat. So
+do prefetch threads: a copy from a map holds the GIL, a pread lets the training loop run.
 """
 
 from __future__ import annotations
 
 import functools
+import mmap
 import os
 import stat
 import threading
 import weakref
 from collections import OrderedDict
+import sys
 from typing import Any
 
 import numpy as np
@@ -30,14 +40,26 @@ from .cache_files import check_block_file, load_keys, load_offsets, locate_cache
 from .errors import CacheFormatError
 from .ledger import BlockTable, CacheState, open_state, refresh_state
 from .local_copies import STAT_FIELDS, SessionStats, parse_size, tree_bytes
+from .prefetch import in_prefetch_thread
 from .remote_reads import ArrayReads, BoundedReader, ReadOrder
 
 __all__ = ["TokenCache"]
 
-_MAX_OPEN_BLOCKS = 128  # block files open at once in a process, all TokenCaches together
+_MAX_DESCRIPTORS = 128  # descriptors of block files open at once in a process (all caches)
 _MAX_CACHED_OFFSETS = 64  # blocks whose document offsets a TokenCache keeps in memory
 _MAX_CACHED_KEYS = 4  # blocks whose document keys a TokenCache keeps (a keys file can be large)
 _MAX_CHECKED_BLOCKS = 1 << 16  # blocks a TokenCache remembers as checked (path and token start)
+_MAP_BYTES_VARIABLE = "TORCHCACHE_MAP_BYTES"
+_DEFAULT_MAP_BYTES = 256 << 20  # block bytes a process maps at most, all TokenCaches together
+
+
+def _map_budget() -> int:
+    """The process's budget of mapped block bytes: ``$TORCHCACHE_MAP_BYTES`` (a size such as
+    ``"1GiB"``; 0 reads everything with pread) or the default."""
+    value = os.environ.get(_MAP_BYTES_VARIABLE)
+    if value is None:
+        return _DEFAULT_MAP_BYTES
+    return parse_size(value.strip(), f"the environment variable {_MAP_BYTES_VARIABLE}", minimum=0)
 
 
 def _locked(method):
@@ -57,14 +79,44 @@ def _locked(method):
     return wrapper
 
 
-class _Block:
-    """An open block file: its descriptor, where its tokens start, and who owns it."""
+def _in_dataloader_worker() -> bool:
+    """True in a torch DataLoader worker process (torch is not imported for this)."""
+    data = sys.modules.get("torch.utils.data")
+    return data is not None and data.get_worker_info() is not None
 
-    __slots__ = ("fd", "data_start", "path", "index", "owner", "used")
+
+class _Block:
+    """An open block file: its descriptor, where its tokens start, who owns it, and its memory
+    map while the pool's budget allows one (None: read with pread)."""
+
+    __slots__ = ("fd", "data_start", "path", "index", "owner", "used", "map")
 
     def __init__(self, fd: int, data_start: int, path: str, index: int, owner: weakref.ref):
         self.fd, self.data_start, self.path, self.index, self.owner = fd, data_start, path, index, owner
         self.used = True  # CLOCK bit: set on every use, cleared by the eviction sweep
+        self.map: mmap.mmap | None = None
+
+    def read_into(self, dest: memoryview, offset: int, use_map: bool) -> None:
+        """Fill ``dest`` with the block file's bytes from ``offset`` (from the map if there is
+        one and ``use_map``): an error names the file."""
+        m = self.map
+        if m is not None and use_map:
+            dest[:] = m[offset:offset + len(dest)]
+            return
+        try:
+            got = os.preadv(self.fd, [dest], offset)
+        except OSError as e:
+            raise OSError(e.errno, f"{self.path}: {e.strerror}") from e
+        while got < len(dest):
+            n = os.preadv(self.fd, [dest[got:]], offset + got)
+            if n == 0:
+                raise CacheFormatError(f"{self.path}: unexpected end of block file "
+                                       "(truncated?); run `torchcache verify`")
+            got += n
+
+
+def _descriptors(block: _Block) -> int:
+    return 1 if block.map is None else 2
 
 
 class _OpenBlocks:
@@ -79,14 +131,18 @@ class _OpenBlocks:
       the end of that call. So no descriptor is ever closed (and its number reused) under a
       reader, and no lock is ever waited for in the reverse order (no deadlock);
     - `fd` is set to -1 before the descriptor is closed, so a table entry with fd >= 0 is open.
-    After fork the child closes the inherited descriptors and starts with an empty pool; every
+    ``limit`` bounds the descriptors of the blocks in the table: a mapped block holds two (its
+    memory map keeps a duplicate). After fork the child closes the inherited descriptors and starts with an empty pool; every
     cache re-opens lazily. Fork waits for the pool lock, so the child's table is consistent.
     """
 
     def __init__(self, limit: int):
         self.limit = limit
+        self.map_budget: int | None = None  # read from the environment at the first map()
+        self.mapped = 0  # bytes of the open blocks' memory maps
         self.lock = threading.RLock()
         self.blocks: OrderedDict[_Block, None] = OrderedDict()
+        self.held = 0  # descriptors of the blocks in the table
         self.dead: list[_Block] = []  # blocks of collected caches, closed at the next add()
         self.caches: weakref.WeakSet[TokenCache] = weakref.WeakSet()
 
@@ -94,19 +150,24 @@ class _OpenBlocks:
         with self.lock:
             self.caches.add(cache)
 
-    def add(self, block: _Block) -> None:
-        """Track a newly opened block; close the least recently used ones above the limit."""
+    def add(self, block: _Block, map_size: int | None) -> None:
+        """Track a newly opened block (mapped if ``map_size`` is given and the budget allows);
+        close the least recently used ones above the limit."""
         with self.lock:
             while self.dead:
                 self.discard(self.dead.pop())
+            if map_size is not None and self.limit >= 2:
+                self._map(block, map_size)
             self.blocks[block] = None
-            while len(self.blocks) > self.limit:
+            self.held += _descriptors(block)
+            while self.held > self.limit and len(self.blocks) > 1:
                 self._evict_one()
 
     def _evict_one(self) -> None:
         while True:
             victim, _ = self.blocks.popitem(last=False)
             if not victim.used:
+                self.held -= _descriptors(victim)
                 return self._release(victim)
             victim.used = False  # a second chance
             self.blocks[victim] = None
@@ -126,11 +187,29 @@ class _OpenBlocks:
 
     def discard(self, block: _Block) -> None:
         """Stop tracking a block and close it (pool lock held)."""
-        self.blocks.pop(block, None)
+        if block in self.blocks:
+            del self.blocks[block]
+            self.held -= _descriptors(block)
         self.close(block)
 
-    @staticmethod
-    def close(block: _Block) -> None:
+    def _map(self, block: _Block, size: int) -> None:
+        """Map a local block of ``size`` bytes if the budget has room for it (and this is not a
+        DataLoader worker)."""
+        if self.map_budget is None:
+            self.map_budget = _map_budget()
+        if not 0 < size <= self.map_budget - self.mapped or _in_dataloader_worker():
+            return
+        try:
+            block.map = mmap.mmap(block.fd, size, prot=mmap.PROT_READ)
+        except (OSError, ValueError):  # no address space or descriptor, or a filesystem that
+            return  # cannot map: the block is read with pread, as beyond the budget
+        self.mapped += size
+
+    def close(self, block: _Block) -> None:
+        m, block.map = block.map, None
+        if m is not None:
+            self.mapped -= len(m)
+            m.close()
         fd, block.fd = block.fd, -1
         if fd >= 0:
             os.close(fd)
@@ -148,12 +227,13 @@ class _OpenBlocks:
         for cache in list(self.caches):
             inherited.extend(cache._open.values())
             cache._reset_process_state()
-        self.blocks, self.dead = OrderedDict(), []
+        self.blocks, self.dead, self.held = OrderedDict(), [], 0
         for block in inherited:
             self.close(block)
+        self.mapped = 0
 
 
-_POOL = _OpenBlocks(_MAX_OPEN_BLOCKS)
+_POOL = _OpenBlocks(_MAX_DESCRIPTORS)
 os.register_at_fork(before=_POOL.before_fork, after_in_parent=_POOL.after_fork_in_parent,
                     after_in_child=_POOL.after_fork_in_child)
 
@@ -399,9 +479,10 @@ class TokenCache:
         return None
 
     def _track(self, block: _Block) -> _Block:
-        """Keep a newly opened block: in this cache's table and the process's pool."""
+        """Keep a newly opened block: in this cache's table and the process's pool (mapped there
+        if it is local and the budget allows)."""
         self._open[block.index] = block
-        _POOL.add(block)
+        _POOL.add(block, self._table.size(block.index) if self._remote is None else None)
         return block
 
     def _forget(self, block: _Block) -> None:
@@ -473,20 +554,14 @@ class TokenCache:
         pos = start
         view = memoryview(out.view(np.uint8))
         item = self.dtype.itemsize
-        opened = self._open
+        opened, use_map = self._open, not in_prefetch_thread()
         while pos < stop:
             block = opened.get(b) or self._open_block(b)
             block.used = True
             local = pos - int(self._token_starts[b])
             count = min(stop, int(self._token_starts[b + 1])) - pos
-            dest = view[(pos - start) * item:(pos - start + count) * item]
-            offset = block.data_start + local * item
-            try:
-                got = os.preadv(block.fd, [dest], offset)
-            except OSError as e:
-                raise OSError(e.errno, f"{block.path}: {e.strerror}") from e
-            if got != count * item:
-                self._read_fully(block, dest, got, offset)
+            block.read_into(view[(pos - start) * item:(pos - start + count) * item],
+                            block.data_start + local * item, use_map)
             pos += count
             b += 1
         return out
@@ -518,31 +593,44 @@ class TokenCache:
             raise IndexError(f"token range [{first}, {first + length}) outside [0, {self.num_tokens})")
         if self._bounded is not None:
             return self._bounded.read_many(self._table, self.dtype, starts, length, out)
-        item = self.dtype.itemsize
-        nbytes = length * item
-        blocks = np.searchsorted(self._token_starts, starts, side="right") - 1
-        if length == 0 or not (starts + length <= self._token_starts[blocks + 1]).all():
-            # some row crosses a block boundary (rare): the general path
+        self._read_rows(starts, length, out)
+        return out
+
+    @_locked
+    def _read_checked_rows(self, starts: np.ndarray, length: int) -> np.ndarray:
+        """:meth:`read_many` of int64 ``starts`` the caller checked (every row inside the
+        stream): what a dataset's batch costs beyond the copies, kept small."""
+        out = np.empty((len(starts), length), dtype=self.dtype)
+        if self._bounded is not None:
+            return self._bounded.read_many(self._table, self.dtype, starts, length, out)
+        self._read_rows(starts, length, out)
+        return out
+
+    def _read_rows(self, starts: np.ndarray, length: int, out: np.ndarray) -> None:
+        """Checked rows of a local cache into ``out`` (caller holds the lock): one copy per row
+        inside one block, with nothing else in the loop; rows crossing blocks (rare) through
+        :meth:`_read_ranges`."""
+        token_starts = self._token_starts
+        blocks = token_starts.searchsorted(starts, side="right") - 1
+        if length == 0 or (starts + length > token_starts[blocks + 1]).any():
             self._read_ranges(starts, np.full(len(starts), length, dtype=np.int64), out.reshape(-1),
                               np.arange(len(starts), dtype=np.int64) * length)
-            return out
-        # the hot path (a batch of windows): the loop of _read_ranges, for equal rows, with
-        # nothing but the pread in it
-        offsets = (starts - self._token_starts[blocks]) * item
+            return
+        item = self.dtype.itemsize
+        nbytes = length * item
         flat = memoryview(out.reshape(-1).view(np.uint8))
-        opened, preadv, at = self._open, os.preadv, 0
-        for b, offset in zip(blocks.tolist(), offsets.tolist()):
+        opened, at, use_map = self._open, 0, not in_prefetch_thread()
+        for b, offset in zip(blocks.tolist(), ((starts - token_starts[blocks]) * item).tolist()):
             block = opened.get(b) or self._open_block(b)
             block.used = True
-            dest = flat[at:at + nbytes]
-            try:
-                got = preadv(block.fd, [dest], block.data_start + offset)
-            except OSError as e:
-                raise OSError(e.errno, f"{block.path}: {e.strerror}") from e
-            if got != nbytes:
-                self._read_fully(block, dest, got, block.data_start + offset)
-            at += nbytes
-        return out
+            offset += block.data_start
+            end = at + nbytes
+            m = block.map
+            if m is not None and use_map:
+                flat[at:end] = m[offset:offset + nbytes]
+            else:
+                block.read_into(flat[at:end], offset, False)
+            at = end
 
     @_locked
     def read_ranges(self, starts: np.ndarray, lengths: np.ndarray, out: np.ndarray,
@@ -594,18 +682,12 @@ class TokenCache:
                 starts[inside], lengths[inside], out_offsets[inside], blocks[inside])
         offsets = (starts - self._token_starts[blocks]) * item
         view = memoryview(flat_out.view(np.uint8))
-        opened, preadv = self._open, os.preadv
+        opened, use_map = self._open, not in_prefetch_thread()
         for b, offset, size, at in zip(blocks.tolist(), offsets.tolist(), (lengths * item).tolist(),
                                        (out_offsets * item).tolist()):
             block = opened.get(b) or self._open_block(b)
             block.used = True
-            dest = view[at:at + size]
-            try:
-                got = preadv(block.fd, [dest], block.data_start + offset)
-            except OSError as e:
-                raise OSError(e.errno, f"{block.path}: {e.strerror}") from e
-            if got != size:
-                self._read_fully(block, dest, got, block.data_start + offset)
+            block.read_into(view[at:at + size], block.data_start + offset, use_map)
 
     # ------------------------------------------------------------ remote caches under a limit
     @_locked
@@ -673,15 +755,6 @@ class TokenCache:
             raise ValueError(f"evict() needs a remote cache opened with cache_limit= ({self.url} "
                              f"is {'remote without a limit' if self._remote else 'local'})")
         return self._bounded.evict(self._table, keep)
-
-    @staticmethod
-    def _read_fully(block: _Block, dest: memoryview, got: int, offset: int) -> None:
-        while got < len(dest):
-            n = os.preadv(block.fd, [dest[got:]], offset + got)
-            if n == 0:
-                raise CacheFormatError(f"{block.path}: unexpected end of block file "
-                                           "(truncated?); run `torchcache verify`")
-            got += n
 
     def _check_block(self, b: int) -> int:
         b = int_arg(b, "b", minimum=None)

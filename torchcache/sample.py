@@ -348,7 +348,7 @@ class DistributedSampler(Sampler[int]):
             cap = max(1, min(_CHUNK, (self.window if self._growing else self.num_samples) // W))
             rows = min(cap, rows)
             stop = j + rows if count is None else min(j + rows, count)
-            rows = 2 * rows
+            rows = 8 * rows
             positions = start + r + W * np.arange(j, stop, dtype=np.int64)
             if self._growing:
                 self._wait_for(int(positions[-1]))
