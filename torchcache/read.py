@@ -86,13 +86,16 @@ def _in_dataloader_worker() -> bool:
 
 
 class _Block:
-    """An open block file: its descriptor, where its tokens start, who owns it, and its memory
-    map while the pool's budget allows one (None: read with pread)."""
+    """An open block file: its descriptor, where its tokens start and end, who owns it, and its
+    memory map while the pool's budget allows one (None: read with pread)."""
 
-    __slots__ = ("fd", "data_start", "path", "index", "owner", "used", "map")
+    __slots__ = ("fd", "data_start", "data_end", "base", "path", "index", "owner", "used", "map")
 
-    def __init__(self, fd: int, data_start: int, path: str, index: int, owner: weakref.ref):
+    def __init__(self, fd: int, data_start: int, path: str, index: int, owner: weakref.ref,
+                 first_token: int, tokens: int, itemsize: int):
         self.fd, self.data_start, self.path, self.index, self.owner = fd, data_start, path, index, owner
+        self.data_end = data_start + tokens * itemsize  # file offset past the last token
+        self.base = data_start - first_token * itemsize  # file offset of global token t: base + t * item
         self.used = True  # CLOCK bit: set on every use, cleared by the eviction sweep
         self.map: mmap.mmap | None = None
 
@@ -454,7 +457,7 @@ class TokenCache:
         if known is not None:
             fd = self._reopen(known[0], size)
             if fd is not None:
-                return self._track(_Block(fd, known[1], known[0], b, self._ref))
+                return self._track(self._block(fd, known[1], known[0], b))
         path, fd = self._open_file(self._table.path(b), self._table.checksum(b), size)
         try:
             start = check_block_file(fd, path, self.dtype, self._block_tokens(b), size)
@@ -463,7 +466,11 @@ class TokenCache:
             raise
         if self._remote is None:
             self._checked_blocks.put(b, (path, start))
-        return self._track(_Block(fd, start, path, b, self._ref))
+        return self._track(self._block(fd, start, path, b))
+
+    def _block(self, fd: int, data_start: int, path: str, b: int) -> _Block:
+        return _Block(fd, data_start, path, b, self._ref, int(self._token_starts[b]),
+                      self._block_tokens(b), self.dtype.itemsize)
 
     @staticmethod
     def _reopen(path: str, size: int) -> int | None:
@@ -608,25 +615,24 @@ class TokenCache:
 
     def _read_rows(self, starts: np.ndarray, length: int, out: np.ndarray) -> None:
         """Checked rows of a local cache into ``out`` (caller holds the lock): one copy per row
-        inside one block, with nothing else in the loop; rows crossing blocks (rare) through
-        :meth:`_read_ranges`."""
-        token_starts = self._token_starts
-        blocks = token_starts.searchsorted(starts, side="right") - 1
-        if length == 0 or (starts + length > token_starts[blocks + 1]).any():
-            self._read_ranges(starts, np.full(len(starts), length, dtype=np.int64), out.reshape(-1),
-                              np.arange(len(starts), dtype=np.int64) * length)
+        inside one block, with little else in the loop; a row crossing blocks (rare) through
+        :meth:`read`."""
+        if length == 0:
             return
         item = self.dtype.itemsize
         nbytes = length * item
         flat = memoryview(out.reshape(-1).view(np.uint8))
         opened, at, use_map = self._open, 0, not in_prefetch_thread()
-        for b, offset in zip(blocks.tolist(), ((starts - token_starts[blocks]) * item).tolist()):
+        blocks = self._token_starts.searchsorted(starts, side="right") - 1
+        for b, start in zip(blocks.tolist(), starts.tolist()):
             block = opened.get(b) or self._open_block(b)
             block.used = True
-            offset += block.data_start
+            offset = block.base + start * item
             end = at + nbytes
             m = block.map
-            if m is not None and use_map:
+            if offset + nbytes > block.data_end:  # the row runs into the next block
+                self.read(start, start + length, out=out.reshape(-1)[at // item:end // item])
+            elif m is not None and use_map:
                 flat[at:end] = m[offset:offset + nbytes]
             else:
                 block.read_into(flat[at:end], offset, False)
