@@ -40,8 +40,12 @@ for ds in (tc.TokenDataset(cache, 64), tc.PackedDataset(cache, 64)):
         for value in batch.values():
             h.update(value.numpy().tobytes())
 during = mapped_blocks(root)
+first = cache.read(0, cache.num_tokens)
 cache.close()
-print(json.dumps({"digest": h.hexdigest(), "mapped": during, "after_close": mapped_blocks(root),
+after_close = mapped_blocks(root)
+again = cache.read(0, cache.num_tokens)  # every block reopened after the pool closed it
+print(json.dumps({"digest": h.hexdigest(), "mapped": during, "after_close": after_close,
+                  "reopened": mapped_blocks(root), "same_again": bool(np.array_equal(first, again)),
                   "blocks": cache.num_blocks}))
 """
 
@@ -104,6 +108,9 @@ def test_maps_within_the_budget_read_the_same_tokens_as_pread(cache_root):
     assert 3 <= len(bounded["mapped"]) < bounded["blocks"]
     assert sum(bounded["mapped"].values()) <= budget
     assert default["after_close"] == bounded["after_close"] == {}  # close() unmaps
+    # a block reopened after the pool closed it is read with pread (mapping it at every reopen
+    # would cost more than it saves when a cache has more blocks than the pool holds)
+    assert default["reopened"] == {} and default["same_again"]
 
 
 def test_dataloader_workers_read_with_pread(cache_root):

@@ -10,7 +10,8 @@ Open block files are shared by all TokenCaches of a process in one bounded pool 
 _OpenBlocks), so many caches (a mixture of 20 sources) never exhaust the descriptor limit.
 
 Tokens are copied out of a local block through a read-only memory map while the process maps
-at most ``TORCHCACHE_MAP_BYTES`` (default 256 MiB) of block files, and with pread beyond that.
+at most ``TORCHCACHE_MAP_BYTES`` (default 256 MiB) of block files, and with pread beyond that
+(and once the pool has closed the block: a cache of more blocks than the pool holds).
 A mapped copy of a few KB costs a third of a pread, but the pages it touches stay counted in the
 process's RSS (as shared page cache) until the block is closed; the budget keeps that bounded,
 whatever the cache's size. DataLoader worker processes (often many per GPU, and not where the
@@ -249,9 +250,11 @@ class TokenCache:
     Safe to share between threads (e.g. a prefetch thread and the training loop).
 
     The global token stream is the blocks' tokens in manifest order. Block files are opened
-    lazily in each process and read with pread, so nothing is copied into RAM beyond what is
-    asked for; pickling a TokenCache (for DataLoader workers) sends only the path and a few small
-    arrays. `refresh()` picks up blocks committed since it was opened.
+    lazily in each process and read through memory maps (at most ``$TORCHCACHE_MAP_BYTES``,
+    default 256 MiB, of block files a process; never in DataLoader workers) or with pread, so
+    nothing is copied into RAM beyond what is asked for; pickling a TokenCache (for DataLoader
+    workers) sends only the path and a few small arrays. `refresh()` picks up blocks committed
+    since it was opened.
 
     Args:
         path: the cache directory, or the URL of a remote one (``s3://...``).
@@ -450,14 +453,16 @@ class TokenCache:
         A local block checked once is reopened cheaply (its path and where its tokens start are
         kept): only a regular file of the recorded size, not followed through a symlink, is
         taken as the same file; anything else goes through the full check again, which names
-        the problem. Random reads over many more blocks than the pool holds reopen blocks often.
+        the problem. Random reads over many more blocks than the pool holds reopen blocks often;
+        so a block is memory-mapped (within the budget) only when first opened: mapping a block
+        again at each reopen costs more than its copies save.
         """
         size = self._table.size(b)
         known = self._checked_blocks.get(b)
         if known is not None:
             fd = self._reopen(known[0], size)
             if fd is not None:
-                return self._track(self._block(fd, known[1], known[0], b))
+                return self._track(self._block(fd, known[1], known[0], b), may_map=False)
         path, fd = self._open_file(self._table.path(b), self._table.checksum(b), size)
         try:
             start = check_block_file(fd, path, self.dtype, self._block_tokens(b), size)
@@ -466,7 +471,7 @@ class TokenCache:
             raise
         if self._remote is None:
             self._checked_blocks.put(b, (path, start))
-        return self._track(self._block(fd, start, path, b))
+        return self._track(self._block(fd, start, path, b), may_map=known is None)
 
     def _block(self, fd: int, data_start: int, path: str, b: int) -> _Block:
         return _Block(fd, data_start, path, b, self._ref, int(self._token_starts[b]),
@@ -485,11 +490,11 @@ class TokenCache:
         os.close(fd)
         return None
 
-    def _track(self, block: _Block) -> _Block:
+    def _track(self, block: _Block, may_map: bool) -> _Block:
         """Keep a newly opened block: in this cache's table and the process's pool (mapped there
-        if it is local and the budget allows)."""
+        if ``may_map``, it is local and the budget allows)."""
         self._open[block.index] = block
-        _POOL.add(block, self._table.size(block.index) if self._remote is None else None)
+        _POOL.add(block, self._table.size(block.index) if may_map and self._remote is None else None)
         return block
 
     def _forget(self, block: _Block) -> None:
