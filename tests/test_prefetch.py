@@ -111,6 +111,40 @@ def test_token_batches_equal_the_plain_loader(cache_path, options):
         assert value.is_contiguous()
 
 
+@pytest.mark.parametrize("labels", ["shifted", "same"])
+def test_batches_widened_into_given_tensors_equal_get_batch(cache_path, labels):
+    """What the loader does with pin_memory=True: the int64 batch is written straight into the
+    (pinned) tensors it allocates, with no second copy."""
+    ds = tc.TokenDataset(cache_path, 96, labels=labels)
+    made = []
+
+    def allocate(shape):
+        made.append(torch.empty(shape, dtype=torch.int64))
+        return made[-1]
+    idx = [3, 0, len(ds) - 1, 3]
+    batch, want = ds._get_batch_into(idx, allocate), ds.get_batch(idx)
+    assert batch.keys() == want.keys() and all(torch.equal(batch[k], want[k]) for k in want)
+    assert batch["input_ids"] is made[0] and batch["labels"] is made[1]
+
+
+def _accelerator() -> bool:
+    accelerator = getattr(torch, "accelerator", None)
+    return torch.cuda.is_available() if accelerator is None else accelerator.is_available()
+
+
+@pytest.mark.skipif(not _accelerator(), reason="pinned memory needs an accelerator")
+def test_pinned_batches_are_read_into_pinned_memory(cache_path):
+    ds = tc.TokenDataset(cache_path, 96)
+
+    def batches(**options):
+        return list(tc.DataLoader(ds, batch_size=4, sampler=tc.DistributedSampler(ds, seed=0), **options))
+    pinned, plain = batches(pin_memory=True), batches()
+    assert len(pinned) == len(plain) > 0
+    for p, q in zip(pinned, plain):
+        assert p["input_ids"].is_pinned() and p["labels"].is_pinned()
+        assert all(torch.equal(p[k], q[k]) for k in q)
+
+
 def test_fast_path_is_used_and_subclass_items_are_respected(cache_path):
     ds = tc.TokenDataset(cache_path, 64)
     calls = []

@@ -7,7 +7,7 @@ To batch documents (different lengths) use :func:`torchcache.pad_collate` or
 from __future__ import annotations
 
 import os
-from typing import Sequence
+from typing import Callable, Sequence
 
 import numpy as np
 import torch
@@ -228,11 +228,26 @@ class TokenDataset(GrowingDataset):
             return self.expand_batch(self.compact_batch(indices))
         return self._widen(self._read(self._check(indices)))  # the hot path: no detour
 
-    def _widen(self, windows: np.ndarray) -> dict[str, torch.Tensor]:
-        """Windows (n, seq_len + 1) in the cache's dtype as int64 input_ids and labels."""
-        input_ids = torch.from_numpy(windows[:, :-1].astype(np.int64))
-        labels = (torch.from_numpy(windows[:, 1:].astype(np.int64)) if self.labels == "shifted"
-                  else input_ids.clone())
+    def _get_batch_into(self, indices: Sequence[int],
+                        allocate: Callable[[tuple[int, int]], torch.Tensor]) -> dict[str, torch.Tensor]:
+        """:meth:`get_batch` widened straight into int64 tensors made by ``allocate(shape)``
+        (pinned ones, for a DataLoader with ``pin_memory=True``): one copy, not two."""
+        if self.document_boundaries:
+            return self.get_batch(indices)
+        return self._widen(self._read(self._check(indices)), allocate)
+
+    def _widen(self, windows: np.ndarray,
+               allocate: Callable[[tuple[int, int]], torch.Tensor] | None = None) -> dict[str, torch.Tensor]:
+        """Windows (n, seq_len + 1) in the cache's dtype as int64 input_ids and labels (in
+        tensors from ``allocate(shape)`` if given)."""
+        inputs, targets = windows[:, :-1], (windows[:, 1:] if self.labels == "shifted" else None)
+        if allocate is not None:
+            input_ids, labels = allocate(inputs.shape), allocate(inputs.shape)
+            np.copyto(input_ids.numpy(), inputs)
+            np.copyto(labels.numpy(), inputs if targets is None else targets)
+            return {"input_ids": input_ids, "labels": labels}
+        input_ids = torch.from_numpy(inputs.astype(np.int64))
+        labels = input_ids.clone() if targets is None else torch.from_numpy(targets.astype(np.int64))
         return {"input_ids": input_ids, "labels": labels}
 
     def compact_batch(self, indices: Sequence[int]) -> dict[str, torch.Tensor]:

@@ -257,6 +257,10 @@ class DataLoader(torch.utils.data.DataLoader):
         device = _pin_device() if self.pin_memory else None
         if device is None:
             return get_batch
+        if getattr(get_batch, "__func__", None) is TokenDataset.get_batch:  # not overridden:
+            # widened straight into pinned tensors
+            into, pinned = self.dataset._get_batch_into, _pinned_int64
+            return lambda index: into(index, pinned)
         return lambda index: _pin_memory(get_batch(index), device)
 
     def _read_batches(self, indices: Iterator[int]) -> Iterator[Any]:
@@ -456,6 +460,11 @@ def _pin_device() -> str | None:
         return "cuda" if torch.cuda.is_available() else None
     device = accelerator.current_accelerator() if accelerator.is_available() else None
     return None if device is None or device.type == "mps" else device.type
+
+
+def _pinned_int64(shape: tuple[int, ...]) -> torch.Tensor:
+    """An int64 tensor in page-locked memory (for the current accelerator)."""
+    return torch.empty(shape, dtype=torch.int64, pin_memory=True)
 
 
 def _num_batches(count: int, batch_size: int, drop_last: bool) -> int:
