@@ -319,7 +319,8 @@ def main() -> None:
                   f"{'flat' if growth < 8 else 'GROWS'}")
     rss_line("tc, 2 workers", rss_tc)
     rss_line("tc fast, main process", rss_fast)
-    print(f"{'':<36} of which mapped block files: {mapped_mb:.1f} MB (cache {cache.num_tokens * cache.dtype.itemsize / 2 ** 20:.0f} MB; "
+    cache_mb = cache.num_tokens * cache.dtype.itemsize / 2 ** 20
+    print(f"{'':<36} of which mapped block files: {mapped_mb:.1f} MB (cache {cache_mb:.0f} MB; "
           f"at most TORCHCACHE_MAP_BYTES, default 256 MiB)")
     if rss_raw:
         rss_line("raw memmap, 2 workers", rss_raw)

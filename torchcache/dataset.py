@@ -32,6 +32,7 @@ def open_cache(cache: TokenCache | str | os.PathLike) -> TokenCache:
 
 
 _WINDOWS = "__torchcache_windows__"  # the key of the token windows in a compact batch
+_Allocate = Callable[[tuple[int, int]], torch.Tensor]  # makes an int64 tensor of a shape
 
 
 class GrowingDataset(Dataset):
@@ -228,16 +229,14 @@ class TokenDataset(GrowingDataset):
             return self.expand_batch(self.compact_batch(indices))
         return self._widen(self._read(self._check(indices)))  # the hot path: no detour
 
-    def _get_batch_into(self, indices: Sequence[int],
-                        allocate: Callable[[tuple[int, int]], torch.Tensor]) -> dict[str, torch.Tensor]:
+    def _get_batch_into(self, indices: Sequence[int], allocate: _Allocate) -> dict[str, torch.Tensor]:
         """:meth:`get_batch` widened straight into int64 tensors made by ``allocate(shape)``
         (pinned ones, for a DataLoader with ``pin_memory=True``): one copy, not two."""
         if self.document_boundaries:
             return self.get_batch(indices)
         return self._widen(self._read(self._check(indices)), allocate)
 
-    def _widen(self, windows: np.ndarray,
-               allocate: Callable[[tuple[int, int]], torch.Tensor] | None = None) -> dict[str, torch.Tensor]:
+    def _widen(self, windows: np.ndarray, allocate: _Allocate | None = None) -> dict[str, torch.Tensor]:
         """Windows (n, seq_len + 1) in the cache's dtype as int64 input_ids and labels (in
         tensors from ``allocate(shape)`` if given)."""
         inputs, targets = windows[:, :-1], (windows[:, 1:] if self.labels == "shifted" else None)
@@ -247,7 +246,9 @@ class TokenDataset(GrowingDataset):
             np.copyto(labels.numpy(), inputs if targets is None else targets)
             return {"input_ids": input_ids, "labels": labels}
         input_ids = torch.from_numpy(inputs.astype(np.int64))
-        labels = input_ids.clone() if targets is None else torch.from_numpy(targets.astype(np.int64))
+        if targets is None:
+            return {"input_ids": input_ids, "labels": input_ids.clone()}
+        labels = torch.from_numpy(targets.astype(np.int64))
         return {"input_ids": input_ids, "labels": labels}
 
     def compact_batch(self, indices: Sequence[int]) -> dict[str, torch.Tensor]:

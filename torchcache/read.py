@@ -96,7 +96,7 @@ class _Block:
                  first_token: int, tokens: int, itemsize: int):
         self.fd, self.data_start, self.path, self.index, self.owner = fd, data_start, path, index, owner
         self.data_end = data_start + tokens * itemsize  # file offset past the last token
-        self.base = data_start - first_token * itemsize  # file offset of global token t: base + t * item
+        self.base = data_start - first_token * itemsize  # global token t is at base + t * itemsize
         self.used = True  # CLOCK bit: set on every use, cleared by the eviction sweep
         self.map: mmap.mmap | None = None
 
@@ -107,12 +107,12 @@ class _Block:
         if m is not None and use_map:
             dest[:] = m[offset:offset + len(dest)]
             return
-        try:
-            got = os.preadv(self.fd, [dest], offset)
-        except OSError as e:
-            raise OSError(e.errno, f"{self.path}: {e.strerror}") from e
+        got = 0
         while got < len(dest):
-            n = os.preadv(self.fd, [dest[got:]], offset + got)
+            try:
+                n = os.preadv(self.fd, [dest[got:] if got else dest], offset + got)
+            except OSError as e:
+                raise OSError(e.errno, f"{self.path}: {e.strerror}") from e
             if n == 0:
                 raise CacheFormatError(f"{self.path}: unexpected end of block file "
                                        "(truncated?); run `torchcache verify`")
@@ -136,8 +136,9 @@ class _OpenBlocks:
       reader, and no lock is ever waited for in the reverse order (no deadlock);
     - `fd` is set to -1 before the descriptor is closed, so a table entry with fd >= 0 is open.
     ``limit`` bounds the descriptors of the blocks in the table: a mapped block holds two (its
-    memory map keeps a duplicate). After fork the child closes the inherited descriptors and starts with an empty pool; every
-    cache re-opens lazily. Fork waits for the pool lock, so the child's table is consistent.
+    memory map keeps a duplicate). After fork the child closes the inherited descriptors and
+    starts with an empty pool; every cache re-opens lazily. Fork waits for the pool lock, so the
+    child's table is consistent.
     """
 
     def __init__(self, limit: int):
@@ -494,7 +495,8 @@ class TokenCache:
         """Keep a newly opened block: in this cache's table and the process's pool (mapped there
         if ``may_map``, it is local and the budget allows)."""
         self._open[block.index] = block
-        _POOL.add(block, self._table.size(block.index) if may_map and self._remote is None else None)
+        local = may_map and self._remote is None
+        _POOL.add(block, self._table.size(block.index) if local else None)
         return block
 
     def _forget(self, block: _Block) -> None:
