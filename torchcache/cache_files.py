@@ -24,7 +24,21 @@ from .local_copies import SessionStats, fetch_verified
 from .storage import TMP_MARK, LocalStorage, RemoteStorage, Storage, is_remote, open_storage
 
 __all__ = ["CacheFiles", "check_block_file", "load_keys", "load_offsets", "locate_cache",
-           "max_file_sizes", "offsets_max_size"]
+           "max_file_sizes", "offsets_max_size", "pread_fully"]
+
+
+def pread_fully(fd: int, dest: memoryview, offset: int, path: str, fix: str) -> None:
+    """Fill ``dest`` with the file's bytes from ``offset``; errors name ``path``, and a file
+    that ends too soon is a CacheFormatError ending with ``fix`` (what the user should do)."""
+    got = 0
+    while got < len(dest):
+        try:
+            n = os.preadv(fd, [dest[got:] if got else dest], offset + got)
+        except OSError as e:
+            raise OSError(e.errno, f"{path}: {e.strerror}") from e
+        if n == 0:
+            raise CacheFormatError(f"{path}: unexpected end of block file (truncated?); {fix}")
+        got += n
 
 
 class CacheFiles:

@@ -37,7 +37,8 @@ from tokenizers import Tokenizer
 from . import format as fmt
 from ._args import index_array, int_arg
 from ._lru import LRUCache
-from .cache_files import check_block_file, load_keys, load_offsets, locate_cache, offsets_max_size
+from .cache_files import (check_block_file, load_keys, load_offsets, locate_cache, offsets_max_size,
+                          pread_fully)
 from .errors import CacheFormatError
 from .ledger import BlockTable, CacheState, open_state, refresh_state
 from .local_copies import STAT_FIELDS, SessionStats, parse_size, tree_bytes
@@ -107,16 +108,7 @@ class _Block:
         if m is not None and use_map:
             dest[:] = m[offset:offset + len(dest)]
             return
-        got = 0
-        while got < len(dest):
-            try:
-                n = os.preadv(self.fd, [dest[got:] if got else dest], offset + got)
-            except OSError as e:
-                raise OSError(e.errno, f"{self.path}: {e.strerror}") from e
-            if n == 0:
-                raise CacheFormatError(f"{self.path}: unexpected end of block file "
-                                       "(truncated?); run `torchcache verify`")
-            got += n
+        pread_fully(self.fd, dest, offset, self.path, "run `torchcache verify`")
 
 
 def _descriptors(block: _Block) -> int:

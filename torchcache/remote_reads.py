@@ -53,7 +53,7 @@ from typing import Any
 
 import numpy as np
 
-from .cache_files import CacheFiles, check_block_file
+from .cache_files import CacheFiles, check_block_file, pread_fully
 from .errors import CacheFormatError
 from .local_copies import (BUSY, EXISTS, REFUSED, LocalCopies, Resident, SessionStats, fetch_range,
                            fetch_verified)
@@ -743,16 +743,7 @@ class BoundedReader:
 
 
 def _pread_fully(fd: int, dest: memoryview, offset: int, path: str) -> None:
-    got = 0
-    while got < len(dest):
-        try:
-            n = os.preadv(fd, [dest[got:]], offset + got)
-        except OSError as e:
-            raise OSError(e.errno, f"{path}: {e.strerror}") from e
-        if n == 0:
-            raise CacheFormatError(f"{path}: unexpected end of block file (truncated?); delete "
-                                   "this local copy (it is downloaded again)")
-        got += n
+    pread_fully(fd, dest, offset, path, "delete this local copy (it is downloaded again)")
 
 
 def _after_fork_in_child() -> None:
