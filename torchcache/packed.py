@@ -228,17 +228,18 @@ class PackedDataset(GrowingDataset):
         padding = np.zeros(len(starts), dtype=bool)
         padding[np.cumsum(per_row - 1) - 1] = True  # the last segment of each row
         position_ids = np.arange(n * C, dtype=np.int64) - np.repeat(flat_starts, lengths)
-        is_pad = np.repeat(padding, lengths)
         input_ids = tokens[:, :C].astype(np.int64).reshape(-1)
-        input_ids[is_pad] = self.pad_id
         labels = tokens[:, 1:].astype(np.int64).reshape(-1)
         ends = (flat_starts + lengths - 1)[~padding]  # a document's last token: no next token
         labels[ends] = IGNORE_INDEX
-        labels[is_pad] = IGNORE_INDEX
+        if lengths[padding].any():  # (most rows are full: no mask over the whole batch then)
+            is_pad = np.repeat(padding, lengths)
+            input_ids[is_pad] = self.pad_id
+            labels[is_pad] = IGNORE_INDEX
         cut = np.flatnonzero(continues)  # a split piece: its last label is the document's next token
         labels[cut * C + C - 1] = tokens[cut, C].astype(np.int64)
         input_ids, labels = input_ids.reshape(n, C), labels.reshape(n, C)
         position_ids = position_ids.reshape(n, C)
         return {"input_ids": torch.from_numpy(input_ids), "labels": torch.from_numpy(labels),
-                "position_ids": torch.from_numpy(position_ids.astype(np.int64)),
+                "position_ids": torch.from_numpy(position_ids),
                 "cu_seqlens": compact["cu_seqlens"], "num_segments": compact["num_segments"]}
