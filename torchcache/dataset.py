@@ -230,10 +230,9 @@ class TokenDataset(GrowingDataset):
         return self._widen(self._read(self._check(indices)))  # the hot path: no detour
 
     def _get_batch_into(self, indices: Sequence[int], allocate: _Allocate) -> dict[str, torch.Tensor]:
-        """:meth:`get_batch` widened straight into int64 tensors made by ``allocate(shape)``
-        (pinned ones, for a DataLoader with ``pin_memory=True``): one copy, not two."""
-        if self.document_boundaries:
-            return self.get_batch(indices)
+        """:meth:`get_batch` (of a dataset without ``document_boundaries``) widened straight into
+        int64 tensors made by ``allocate(shape)`` (pinned ones, for a DataLoader with
+        ``pin_memory=True``): one copy, not two."""
         return self._widen(self._read(self._check(indices)), allocate)
 
     def _widen(self, windows: np.ndarray, allocate: _Allocate | None = None) -> dict[str, torch.Tensor]:

@@ -257,8 +257,8 @@ class DataLoader(torch.utils.data.DataLoader):
         device = _pin_device() if self.pin_memory else None
         if device is None:
             return get_batch
-        if getattr(get_batch, "__func__", None) is TokenDataset.get_batch:  # not overridden:
-            # widened straight into pinned tensors
+        if (getattr(get_batch, "__func__", None) is TokenDataset.get_batch  # not overridden
+                and not self.dataset.document_boundaries):  # widened straight into pinned tensors
             into, pinned = self.dataset._get_batch_into, _pinned_int64
             return lambda index: into(index, pinned)
         return lambda index: _pin_memory(get_batch(index), device)

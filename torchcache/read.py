@@ -26,9 +26,9 @@ import mmap
 import os
 import stat
 import threading
+import sys
 import weakref
 from collections import OrderedDict
-import sys
 from typing import Any
 
 import numpy as np
@@ -88,14 +88,14 @@ def _in_dataloader_worker() -> bool:
 
 
 class _Block:
-    """An open block file: its descriptor, where its tokens start and end, who owns it, and its
+    """An open block file: its descriptor, where global tokens lie in it, who owns it, and its
     memory map while the pool's budget allows one (None: read with pread)."""
 
-    __slots__ = ("fd", "data_start", "data_end", "base", "path", "index", "owner", "used", "map")
+    __slots__ = ("fd", "data_end", "base", "path", "index", "owner", "used", "map")
 
     def __init__(self, fd: int, data_start: int, path: str, index: int, owner: weakref.ref,
                  first_token: int, tokens: int, itemsize: int):
-        self.fd, self.data_start, self.path, self.index, self.owner = fd, data_start, path, index, owner
+        self.fd, self.path, self.index, self.owner = fd, path, index, owner
         self.data_end = data_start + tokens * itemsize  # file offset past the last token
         self.base = data_start - first_token * itemsize  # global token t is at base + t * itemsize
         self.used = True  # CLOCK bit: set on every use, cleared by the eviction sweep
@@ -564,10 +564,9 @@ class TokenCache:
         while pos < stop:
             block = opened.get(b) or self._open_block(b)
             block.used = True
-            local = pos - int(self._token_starts[b])
             count = min(stop, int(self._token_starts[b + 1])) - pos
             block.read_into(view[(pos - start) * item:(pos - start + count) * item],
-                            block.data_start + local * item, use_map)
+                            block.base + pos * item, use_map)
             pos += count
             b += 1
         return out
@@ -631,7 +630,7 @@ class TokenCache:
             m = block.map
             if offset + nbytes > block.data_end:  # the row runs into the next block
                 self.read(start, start + length, out=out.reshape(-1)[at // item:end // item])
-            elif m is not None and use_map:
+            elif m is not None and use_map:  # read_into's map copy, inline: the hot path
                 flat[at:end] = m[offset:offset + nbytes]
             else:
                 block.read_into(flat[at:end], offset, False)
@@ -685,14 +684,13 @@ class TokenCache:
                 self.read(start, start + length, out=flat_out[at:at + length])
             starts, lengths, out_offsets, blocks = (
                 starts[inside], lengths[inside], out_offsets[inside], blocks[inside])
-        offsets = (starts - self._token_starts[blocks]) * item
         view = memoryview(flat_out.view(np.uint8))
         opened, use_map = self._open, not in_prefetch_thread()
-        for b, offset, size, at in zip(blocks.tolist(), offsets.tolist(), (lengths * item).tolist(),
-                                       (out_offsets * item).tolist()):
+        for b, start, size, at in zip(blocks.tolist(), starts.tolist(), (lengths * item).tolist(),
+                                      (out_offsets * item).tolist()):
             block = opened.get(b) or self._open_block(b)
             block.used = True
-            block.read_into(view[at:at + size], block.data_start + offset, use_map)
+            block.read_into(view[at:at + size], block.base + start * item, use_map)
 
     # ------------------------------------------------------------ remote caches under a limit
     @_locked
