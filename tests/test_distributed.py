@@ -72,3 +72,43 @@ def test_two_process_run_then_resume_with_two_and_one_ranks(tmp_path):
         assert resumed["start"] == states[0]["consumed"]
         assert [sorted(s) for s in resumed["steps"]] == rest, f"resume with world_size={world_size}"
         assert resumed["consumed"] == fresh["consumed"]
+
+
+EARLY_SAMPLER_SCRIPT = """
+import json, os, sys
+import torch.distributed as dist
+import torchcache as tc
+
+sampler = tc.DistributedSampler(range(100), shuffle=False)  # before the process group: rank 0 of 1
+dist.init_process_group("gloo")
+try:
+    first = next(iter(tc.DataLoader(range(100), batch_size=4, sampler=sampler)))
+    outcome = {"batch": first.tolist()}
+except RuntimeError as error:
+    outcome = {"error": str(error)}
+explicit = tc.DistributedSampler(range(100), num_replicas=1, rank=0, shuffle=False)
+outcome["explicit"] = list(explicit)[:3]
+with open(os.path.join(sys.argv[1], f"rank{dist.get_rank()}.json"), "w") as f:
+    json.dump(outcome, f)
+dist.destroy_process_group()
+"""
+
+
+@pytest.mark.slow
+def test_a_sampler_made_before_the_process_group_refuses_to_read_the_whole_stream(tmp_path):
+    """A plain torchrun script (no main guard) that makes the sampler before
+    init_process_group would read every sample on every rank: its iter() says so instead."""
+    import subprocess
+    script = tmp_path / "early.py"
+    script.write_text(EARLY_SAMPLER_SCRIPT)
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+           str(script), str(tmp_path)]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=tmp_path,
+                          env=dict(os.environ, OMP_NUM_THREADS="1"))
+    assert proc.returncode == 0, proc.stderr
+    for rank in range(2):
+        outcome = json.loads((tmp_path / f"rank{rank}.json").read_text())
+        assert "batch" not in outcome
+        assert "made before torch.distributed was initialised" in outcome["error"]
+        assert f"this is rank {rank}" in outcome["error"]
+        assert outcome["explicit"] == [0, 1, 2]  # explicit num_replicas/rank are the user's choice

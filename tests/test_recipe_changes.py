@@ -134,7 +134,7 @@ def resume_with_edit(case: str):
     head = run_until(first, k)
     state = roundtrip(first.state_dict())
     position = BATCH * k
-    assert state["version"] == 2 and state["consumed"] == position
+    assert state["version"] >= 2 and state["consumed"] == position
     assert state["schedule"] == old_mix.resume_prefix(position)
     second = loader(new_mix, num_workers=workers)
     second.load_state_dict(state)
@@ -333,7 +333,7 @@ def test_a_version_1_mixture_state_still_loads():
     first = loader(mix)
     run_until(first, 13)
     state = first.state_dict()
-    v1 = {k: v for k, v in state.items() if k != "schedule"}
+    v1 = {k: v for k, v in state.items() if k not in ("schedule", "content")}
     v1.update(version=1, fingerprint=mix.fingerprint)  # what version 1 saved for a mixture
     second = loader(make(OLD))
     second.load_state_dict(v1)

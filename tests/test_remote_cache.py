@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import re
 import subprocess
 import sys
 
@@ -19,9 +20,10 @@ import torch
 from conftest import moto_s3, paragraphs, write_jsonl
 
 import torchcache as tc
-from torchcache.local_copies import LocalCopies, parse_size, tree_bytes
+from torchcache.local_copies import LocalCopies, copy_name, parse_size, tree_bytes
 
 BLOCK = 2_000  # tokens per block: ~40 blocks of ~4 KB
+BLOCK0 = "blocks/000000-000000.safetensors"
 SEQ = 64
 
 
@@ -286,11 +288,12 @@ def test_a_block_in_use_is_never_evicted(tmp_path, remote, s3):
     try:
         assert holder.stdout.readline().strip() == "holding"
         cache = tc.TokenCache(url, storage_options=s3, local_dir=str(local_dir), cache_limit=limit)
-        copy0 = local_dir / cache.fingerprint / "blocks" / "000000-000000.safetensors"
+        copy0 = local_dir / cache.fingerprint / copy_name(BLOCK0, ref.block_table.checksum(0))
         assert copy0.exists()
         # block 1 needs room; the only copy is in use in the other process: read by range
         b1 = (int(starts[1]), int(starts[2]))
-        assert np.array_equal(cache.read(*b1), ref.read(*b1))
+        assert np.array_equal(cache.read(*b1), ref.read(*b1))  # verified once (not kept)...
+        assert np.array_equal(cache.read(*b1), ref.read(*b1))  # ...then read by range
         assert cache.stats()["refused_copies"] >= 1 and cache.stats()["ranged_reads"] >= 1
         assert copy0.exists() and tree_bytes(local_dir) <= limit
         # an explicit eviction skips it too
@@ -344,7 +347,8 @@ def test_without_a_limit_every_block_read_is_copied_and_counted(tmp_path, remote
     stop = int(ref.block_token_starts()[3])
     assert np.array_equal(cache.read(0, stop), ref.read(0, stop))
     stats = cache.stats()
-    copied = [p for p in (tmp_path / "copies").rglob("*.safetensors")]
+    copied = [p for p in (tmp_path / "copies").rglob("*")  # named by content (checksum)
+              if re.fullmatch(r"\d{6}-\d{6}\.safetensors\.[0-9a-f]{64}", p.name)]
     assert stats["whole_block_downloads"] == len(copied) == 3 and stats["ranged_reads"] == 0
     assert stats["bytes_downloaded"] == sum(p.stat().st_size for p in copied)
     assert stats["cache_limit"] is None and stats["local_bytes"] == stats["bytes_downloaded"]

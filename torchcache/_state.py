@@ -70,6 +70,7 @@ _STATE_FIELDS: dict[str, Callable[[Any, str], Any]] = {
     "consumed": position_arg,
     "remaining": _optional_count_field,
     "schedule": _optional_mapping_field,
+    "content": _optional_mapping_field,
 }
 
 _IDENTITY = ("fingerprint", "num_samples")  # what says which dataset a state belongs to

@@ -1,8 +1,9 @@
 """The files of one cache, opened safely: where they are, and each one checked against the manifest.
 
 A cache is read from its local directory, or from local copies of a remote cache's files
-(downloaded once per machine, verified by checksum). Every file is opened through
-format.CacheDir (regular files inside the cache directory only, sizes capped before reading),
+(downloaded once per machine, verified by checksum, named by it, and checked again when
+reused). Every file is opened through format.CacheDir (regular files inside the cache
+directory only, sizes capped before reading),
 and a block's header, offsets and keys are checked against their manifest entry: O(1) per
 block, no checksums unless asked. Anything wrong is a CacheFormatError naming the file.
 :class:`torchcache.TokenCache` reads through this module, and so does :func:`torchcache.check_cache`.
@@ -10,21 +11,26 @@ block, no checksums unless asked. Anything wrong is a CacheFormatError naming th
 
 from __future__ import annotations
 
+import faulthandler
 import fcntl
 import json
+import mmap
 import os
+import sys
 import tempfile
-from typing import Any
+import types
+from typing import Any, Callable
 
 import numpy as np
 
 from . import format as fmt
 from .errors import CacheFormatError
-from .local_copies import SessionStats, fetch_verified
+from .local_copies import (SessionStats, copy_name, discard_copy, fetch_verified, mark_verified,
+                           trusted_copy)
 from .storage import TMP_MARK, LocalStorage, RemoteStorage, Storage, is_remote, open_storage
 
 __all__ = ["CacheFiles", "check_block_file", "load_keys", "load_offsets", "locate_cache",
-           "max_file_sizes", "offsets_max_size", "pread_fully"]
+           "max_file_sizes", "named_map_copy", "offsets_max_size", "pread_fully"]
 
 
 def pread_fully(fd: int, dest: memoryview, offset: int, path: str, fix: str) -> None:
@@ -39,6 +45,39 @@ def pread_fully(fd: int, dest: memoryview, offset: int, path: str, fix: str) -> 
         if n == 0:
             raise CacheFormatError(f"{path}: unexpected end of block file (truncated?); {fix}")
         got += n
+
+
+def _copy_from_map(dest: memoryview, source: mmap.mmap, offset: int) -> None:
+    dest[:] = source[offset:offset + len(dest)]
+
+
+def named_map_copy(path: str) -> Callable[[memoryview, mmap.mmap, int], None]:
+    """``copy(dest, source_map, offset)``: fill ``dest`` from the memory map of block file
+    ``path``, in a function whose code is named after the file.
+
+    A mapped file cut short under its reader by another program (or a failing disk) ends the
+    process with a bus error (SIGBUS) in the middle of the copy: nothing can be raised then, and
+    no Python handler can run. faulthandler (enabled here, chained to any handler installed
+    before it) prints the stack at that moment, and this frame's "file" is the block file, so
+    the process's last words name it.
+    """
+    _report_faults()
+    code = _copy_from_map.__code__.replace(co_filename=path, co_name="read_memory_mapped_block",
+                                           co_qualname="read_memory_mapped_block",
+                                           co_firstlineno=0)  # its one line: "line 1"
+    return types.FunctionType(code, _copy_from_map.__globals__, "read_memory_mapped_block")
+
+
+def _report_faults() -> None:
+    """Enable faulthandler (stack on SIGBUS/SIGSEGV) to stderr, unless something already did."""
+    if faulthandler.is_enabled():
+        return
+    for stream in (sys.stderr, sys.__stderr__):
+        try:
+            faulthandler.enable(file=stream)
+            return
+        except (AttributeError, ValueError, OSError, RuntimeError):  # no usable descriptor
+            continue
 
 
 class CacheFiles:
@@ -72,13 +111,23 @@ class CacheFiles:
         """(path, descriptor) of a regular file of the cache; remote files are copied here first
         (verified by checksum), or with ``in_memory`` read into an anonymous in-memory file (the
         path is then the URL). With `verify`, a local file's checksum is recomputed, unless it is
-        larger than `max_size` (refused before it is read: hashing gigabytes proves nothing)."""
+        larger than `max_size` (refused before it is read: hashing gigabytes proves nothing); a
+        remote file is then checked on the store itself, not only in a copy made earlier."""
         if self.remote is not None:
-            if self.in_memory:
+            if self.in_memory or checksum is None:  # a copy is only ever named by its checksum
                 return self._open_in_memory(rel, checksum, max_size)
-            path = self.dir.path(rel)
-            if not os.path.exists(path):
-                _download(self.remote, rel, path, checksum, self.stats)
+            copy = copy_name(rel, checksum)
+            found = _open_trusted(self.dir, copy, checksum)
+            if found is not None and verify:
+                try:  # the store may have changed since the copy was made
+                    fetch_verified(self.remote, rel, checksum, max_size=max_size)
+                except BaseException:
+                    os.close(found[1])
+                    raise
+            if found is not None:
+                return found
+            _download(self.remote, rel, self.dir.path(copy), checksum, self.stats)
+            rel = copy
         try:
             path, fd = self.dir.open(rel)
         except FileNotFoundError:
@@ -224,27 +273,50 @@ def load_keys(fd: int, path: str, num_documents: int) -> list[str | None]:
 
 # ---------------------------------------------------------------- remote copies
 
-def _download(storage: RemoteStorage, rel: str, path: str, checksum: str | None,
+def _open_trusted(folder: fmt.CacheDir, rel: str, checksum: str) -> tuple[str, int] | None:
+    """(path, descriptor) of the local copy ``rel`` if it is there and holds the bytes of
+    ``checksum`` (see :func:`torchcache.local_copies.trusted_copy`), else None."""
+    try:
+        path, fd = folder.open(rel)
+    except FileNotFoundError:
+        return None
+    try:
+        if trusted_copy(fd, path, checksum):
+            return path, fd
+    except BaseException:
+        os.close(fd)
+        raise
+    os.close(fd)
+    return None
+
+
+def _download(storage: RemoteStorage, rel: str, path: str, checksum: str,
               stats: SessionStats | None = None, attempts: int = 3) -> None:
-    """Copy one remote file to `path`, verified by checksum, exactly once per machine.
+    """Copy one remote file to `path` (named by its checksum), verified, once per machine.
 
     An flock on a sibling lock file makes DataLoader workers and ranks that need the same file
     wait for one download instead of repeating it; the copy is renamed into place only once
-    complete and verified, so nobody ever reads a partial one. (No size limit here: see
-    :mod:`torchcache.local_copies` for copies under a cache_limit.)
+    complete and verified, so nobody ever reads a partial one. A copy found damaged is deleted
+    and downloaded again. (No size limit here: see :mod:`torchcache.local_copies` for copies
+    under a cache_limit.)
     """
     os.makedirs(os.path.dirname(path), exist_ok=True)
     with open(path + ".lock", "a+b") as lock:
         fcntl.flock(lock.fileno(), fcntl.LOCK_EX)
-        if os.path.exists(path):
+        found = _open_trusted(fmt.CacheDir(os.path.dirname(path)), os.path.basename(path), checksum)
+        if found is not None:
+            os.close(found[1])
             return
+        if os.path.exists(path):  # damaged
+            discard_copy(path)
         data = fetch_verified(storage, rel, checksum, attempts)
         tmp = f"{path}{TMP_MARK}{os.getpid()}"
         with open(tmp, "wb") as f:
             f.write(data)
             f.flush()
             os.fsync(f.fileno())
-        os.replace(tmp, path)
+            os.replace(tmp, path)
+            mark_verified(f.fileno(), path)  # after the rename, which changes its ctime
     if stats is not None:
         block = rel.endswith(".safetensors") and not rel.endswith(".offsets.safetensors")
         stats.add_many({"bytes_downloaded": len(data), "whole_block_downloads": int(block),

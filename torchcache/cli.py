@@ -1,6 +1,10 @@
 """The `torchcache` command line: build, convert-webdataset, info, pack, mix plan, verify,
 upgrade, show.
 
+Every command that takes a cache or inputs reads them from fsspec URLs too (s3://, gs://...):
+`--storage-option KEY=VALUE` (repeatable) passes the store's options, and a refusal by the store
+(no or wrong credentials, a missing bucket, an unreachable endpoint) is one line naming the URL.
+
 `torchcache pack CACHE --seq-len N` computes the pack plan a PackedDataset of that seq_len
 reads (in parallel, stored under CACHE/packs or --plan-dir), so training starts at once;
 `torchcache info CACHE` lists the plans stored for the cache. `torchcache mix plan recipe.yaml`
@@ -12,9 +16,12 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import sys
 import time
-from typing import Sequence
+from typing import Any, Sequence
+
+import fsspec
 
 import numpy as np
 from tqdm.auto import tqdm
@@ -22,16 +29,17 @@ from tqdm.auto import tqdm
 from . import __version__
 from ._args import POSITION_LIMIT, int_arg, optional_int_arg
 from .build import build_cache
+from .cache_files import locate_cache
 from .commit import acquire_lock
 from .convert import convert_webdataset
 from .engine import default_workers, progress_enabled
-from .ledger import upgrade
+from .ledger import HEAD_NAME, upgrade
 from .pack_plan import PackPlan, PlanIdentity, default_plan_root, list_plans, plan_identity
 from .packing import LONG_DOCS
 from .read import TokenCache
-from .recipe import plan_recipe
+from .recipe import load_recipe, plan_recipe
 from .repair import repair_cache
-from .storage import open_storage
+from .storage import BUCKET_SCHEMES, is_remote, open_storage
 from .verify import verify_cache
 
 
@@ -40,13 +48,13 @@ def _build(args: argparse.Namespace) -> int:
                          block_tokens=args.block_tokens, num_workers=args.workers,
                          on_error=args.on_error, eos=_token_arg(args.eos), bos=_token_arg(args.bos),
                          special_tokens_as_text=not args.keep_special_tokens, progress=None,
-                         allow_empty=args.allow_empty)
+                         storage_options=args.storage_options, allow_empty=args.allow_empty)
     return _summary(result)
 
 
 def _convert(args: argparse.Namespace) -> int:
     options = dict(block_tokens=args.block_tokens, num_workers=args.workers, on_error=args.on_error,
-                   progress=None, allow_empty=args.allow_empty)
+                   progress=None, storage_options=args.storage_options, allow_empty=args.allow_empty)
     if args.tokenizer is None and (args.eos or args.bos) and not all(
             x is None or x.isdigit() for x in (args.eos, args.bos)):
         raise ValueError("without a tokenizer, --eos and --bos must be token ids")
@@ -58,12 +66,13 @@ def _convert(args: argparse.Namespace) -> int:
 
 def _summary(result) -> int:
     skipped = ", ".join(f"{k} {v}" for k, v in sorted(result.skipped.items())) or "none"
-    print(f"{result.path}: {result.num_tokens:,} tokens, {result.num_documents:,} documents, "
-          f"{result.num_blocks} blocks; skipped: {skipped}")
+    print(f"{result.path}: {_plural(result.num_tokens, 'token')}, "
+          f"{_plural(result.num_documents, 'document')}, {_plural(result.num_blocks, 'block')}; "
+          f"skipped: {skipped}")
     if result.already_complete:
         print("already complete: nothing to do")
     else:
-        print(f"tokenized {result.tokens_built:,} tokens in {result.seconds:.1f} s "
+        print(f"tokenized {_plural(result.tokens_built, 'token')} in {result.seconds:.1f} s "
               f"({result.tokens_per_second / 1e6:.2f}M tokens/s)")
     return 0
 
@@ -74,18 +83,31 @@ def _token_arg(value: str | None):
     return int(value) if value.isdigit() else value
 
 
-def _build_state(cache: TokenCache) -> str:
+def _build_state(cache: TokenCache, storage_options: dict[str, Any] | None) -> str:
     """complete, building (a builder holds the cache's lock now) or interrupted."""
     if cache.complete:
         return "complete"
-    return "building" if open_storage(cache.url).lock().is_held() else "interrupted"
+    held = open_storage(cache.url, storage_options).lock().is_held()
+    return "building" if held else "interrupted"
+
+
+def _open_cache(args: argparse.Namespace) -> TokenCache:
+    """The command's cache, remote ones through its --storage-option and --local-dir."""
+    return TokenCache(args.cache, storage_options=args.storage_options, local_dir=args.local_dir)
+
+
+def _local_copy(cache: TokenCache) -> str | None:
+    """Where a remote cache's local copy lives (None for a local cache, read in place)."""
+    return cache.root if is_remote(cache.url) else None
 
 
 def _info(args: argparse.Namespace) -> int:
-    cache = TokenCache(args.cache)
+    cache = _open_cache(args)
     lengths = cache.document_lengths()
     info = {
-        "path": cache.root, "state": _build_state(cache), "complete": cache.complete, "fingerprint": cache.fingerprint,
+        "path": cache.url, "local_copy": _local_copy(cache),
+        "state": _build_state(cache, args.storage_options), "complete": cache.complete,
+        "fingerprint": cache.fingerprint,
         "tokens": cache.num_tokens, "documents": cache.num_documents, "blocks": cache.num_blocks,
         "document_tokens": ({f"p{q}": int(np.percentile(lengths, q)) for q in (0, 10, 50, 90, 99, 100)}
                             | {"mean": round(float(lengths.mean()), 1)}) if len(lengths) else {},
@@ -103,6 +125,8 @@ def _info(args: argparse.Namespace) -> int:
     state = {"complete": "complete", "building": "still building",
              "interrupted": "interrupted: rerun the same build to resume it"}[info["state"]]
     print(f"{info['path']}  ({state})")
+    if info["local_copy"] is not None:
+        print(f"  local copy {info['local_copy']}")
     print(f"  tokens     {cache.num_tokens:,}")
     print(f"  documents  {cache.num_documents:,}")
     print(f"  blocks     {cache.num_blocks}")
@@ -226,7 +250,7 @@ def _pack(args: argparse.Namespace) -> int:
     seed = int_arg(args.seed, "--seed", minimum=0, maximum=2 ** 63 - 1)
     if args.workers is not None:
         int_arg(args.workers, "--workers", minimum=1, maximum=1024)
-    cache = TokenCache(args.cache)
+    cache = _open_cache(args)
     workers = args.workers or max(1, min(default_workers(), 1024,
                                          cache.num_tokens // _TOKENS_PER_PLANNER))
     # max_segments as given (None when omitted), as PackedDataset names the plan it reads
@@ -241,7 +265,12 @@ def _pack(args: argparse.Namespace) -> int:
     try:
         plan = PackPlan(cache, identity, root, workers=workers,
                         progress=None if bar is None else bar.update)
-    except OSError as e:
+    except BaseException as e:
+        if bar is not None:
+            _clear(bar)  # no stale bar above the error message
+            bar = None
+        if not isinstance(e, OSError):
+            raise
         where = os.path.abspath(str(e.filename or ""))
         if "plan_dir" in str(e) or not (where == root or where.startswith(root + os.sep)):
             raise  # already says what to do, or not about the plan directory
@@ -260,7 +289,7 @@ def _pack(args: argparse.Namespace) -> int:
     computed = plan.blocks - reused
     rows = totals["rows"]
     result = {
-        "cache": cache.root, "plan": plan.dir, "plan_id": identity.plan_id, "seq_len": seq_len,
+        "cache": cache.url, "plan": plan.dir, "plan_id": identity.plan_id, "seq_len": seq_len,
         "long_docs": identity.long_docs, "max_segments": max_segments, "seed": seed,
         "rows": rows, "padding": totals["padding"],
         "padding_fraction": totals["padding_fraction"],
@@ -273,7 +302,7 @@ def _pack(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps(result, indent=1))
         return 0
-    print(f"pack plan of {cache.root}")
+    print(f"pack plan of {cache.url}")
     print(f"  stored in  {plan.dir}  ({_plural(len(after), 'chunk file')})")
     print(f"  seq_len    {seq_len}  (long_docs {identity.long_docs}, max_segments "
           f"{'none' if max_segments is None else max_segments}, seed {seed})")
@@ -286,8 +315,9 @@ def _pack(args: argparse.Namespace) -> int:
               f"({totals['dropped_tokens']:,} tokens)")
     print(f"  blocks     {plan.blocks:,} planned")
     if not cache.complete:
-        print(f"the cache is {_build_state(cache)}: only whole chunks of {K} blocks are stored; run "
-              "`torchcache pack` again once its build completes to store the rest")
+        print(f"the cache is {_build_state(cache, args.storage_options)}: only whole chunks of "
+              f"{K} blocks are stored; run `torchcache pack` again once its build completes to "
+              "store the rest")
     if result["already_stored"]:
         print(f"already stored: read {_plural(len(before), 'chunk file')} in {seconds:.2f} s")
     else:
@@ -298,13 +328,14 @@ def _pack(args: argparse.Namespace) -> int:
 
 def _mix_plan(args: argparse.Namespace) -> int:
     plan = plan_recipe(args.recipe, steps=args.steps, global_batch=args.global_batch,
-                       samples=args.samples)
+                       samples=args.samples, storage_options=args.storage_options,
+                       local_dir=args.local_dir)
     print(json.dumps(plan.as_json(), indent=1) if args.json else plan.text())
     return 0
 
 
 def _upgrade(args: argparse.Namespace) -> int:
-    storage = open_storage(args.cache)
+    storage = open_storage(args.cache, args.storage_options)
     lock = acquire_lock(storage)  # no builder may commit while the record is rewritten
     try:
         changed = upgrade(storage)
@@ -317,32 +348,35 @@ def _upgrade(args: argparse.Namespace) -> int:
 def _verify(args: argparse.Namespace) -> int:
     if args.repair:
         return _repair(args)
-    problems = verify_cache(args.cache)
+    problems = verify_cache(args.cache, args.storage_options, args.local_dir)
     for p in problems:
         print(f"BAD {p}", file=sys.stderr)
     if problems:
-        print(f"{len(problems)} bad file(s) in {args.cache}; `torchcache verify --repair "
+        print(f"{_plural(len(problems), 'bad file')} in {args.cache}; `torchcache verify --repair "
               f"{args.cache}` rebuilds the damaged blocks from the inputs", file=sys.stderr)
         return 1
     print(f"{args.cache}: all checksums match")
+    if is_remote(args.cache):
+        print(f"  local copy {locate_cache(args.cache, args.storage_options, args.local_dir).root}")
     return 0
 
 
 def _repair(args: argparse.Namespace) -> int:
-    result = repair_cache(args.cache)
+    result = repair_cache(args.cache, storage_options=args.storage_options,
+                          local_dir=args.local_dir)
     for p in result.problems:
         print(f"BAD {p}", file=sys.stderr)
     for rel in result.repaired:
-        print(f"rebuilt {rel}")
+        print(f"restored {rel}" if rel == HEAD_NAME else f"rebuilt {rel}")
     if not result.problems:
         print(f"{args.cache}: all checksums match; nothing to repair")
         return 0
-    remaining = verify_cache(args.cache)
+    remaining = verify_cache(args.cache, args.storage_options, args.local_dir)
     if remaining:
         for p in remaining:
             print(f"STILL BAD {p}", file=sys.stderr)
         return 1
-    print(f"{args.cache}: repaired {len(result.repaired)} file(s); all checksums match now")
+    print(f"{args.cache}: repaired {_plural(len(result.repaired), 'file')}; all checksums match now")
     return 0
 
 
@@ -357,7 +391,9 @@ def _token_range(text: str) -> tuple[int, int]:
 
 
 def _show(args: argparse.Namespace) -> int:
-    cache = TokenCache(args.cache)
+    cache = _open_cache(args)
+    if _local_copy(cache) is not None:
+        print(f"{cache.url} (local copy {cache.root})", file=sys.stderr)
     if args.tokens:
         start, stop = _token_range(args.tokens)
         ids = cache.read(start, stop).astype(np.int64)
@@ -381,29 +417,250 @@ _FLAG_SPELLINGS = {"on_error='skip'": "--on-error skip", "allow_empty=True": "--
                    "plan_dir= (or `torchcache pack CACHE --plan-dir DIR`)": "--plan-dir DIR"}
 
 
+# A remedy only a Python caller can take (build from an iterator of strings): not on the command line.
+_PYTHON_ONLY_REMEDY = re.compile(
+    r" \(to build from strings, pass an iterator[^()]*(\([^()]*\))?[^()]*\)")
+
+
 def _one_line(error: BaseException) -> str:
     """An error as one line for the terminal, in the command line's spelling."""
     text = str(error).strip() or type(error).__name__
     if isinstance(error, OSError) and error.filename and str(error.filename) not in text:
         text = f"{error.filename}: {text}"
-    text = text.splitlines()[0]
+    text = _PYTHON_ONLY_REMEDY.sub("", text.splitlines()[0])
     for python, flag in _FLAG_SPELLINGS.items():
         text = text.replace(python, flag)
     return text
+
+
+def _clear(bar: tqdm) -> None:
+    """Close a progress bar and erase its line (before an error message takes its place)."""
+    bar.leave = False
+    bar.close()
+
+
+# ---------------------------------------------------------------- remote caches and inputs
+
+def _storage_option(text: str) -> tuple[str, Any]:
+    """One `--storage-option KEY=VALUE`: the VALUE as JSON where it parses as JSON, else a string."""
+    key, equals, value = text.partition("=")
+    if not equals or not key.strip():
+        raise argparse.ArgumentTypeError(
+            f"{text!r}: give KEY=VALUE, e.g. --storage-option key=ACCESS_KEY or --storage-option "
+            f"client_kwargs='{_ENDPOINT_EXAMPLE}'")
+    try:
+        return key.strip(), json.loads(value)
+    except ValueError:
+        return key.strip(), value
+
+
+def _storage_options(pairs: list[tuple[str, Any]]) -> dict[str, Any] | None:
+    """The --storage-option pairs as the fsspec options of the Python API (None for none)."""
+    options: dict[str, Any] = {}
+    for key, value in pairs:
+        if key in options:
+            raise ValueError(f"--storage-option {key} is given twice; give each KEY once")
+        options[key] = value
+    return options or None
+
+
+_ENDPOINT_EXAMPLE = '{"endpoint_url": "http://127.0.0.1:9000"}'
+# Error codes of object stores (S3's, as botocore reports them) that mean the credentials
+# were missing, wrong, expired or not allowed; and the one that means the bucket is missing.
+_CREDENTIAL_CODES = {"InvalidAccessKeyId", "SignatureDoesNotMatch", "AccessDenied", "ExpiredToken",
+                     "InvalidToken", "TokenRefreshRequired", "AllAccessDisabled", "InvalidSecurity",
+                     "AuthorizationHeaderMalformed", "401", "403", "Forbidden", "Unauthorized"}
+_NO_BUCKET_CODES = {"NoSuchBucket"}
+
+
+def _credentials_remedy(url: str) -> str:
+    scheme = url.partition("://")[0]
+    if scheme in ("s3", "s3a"):
+        return ("pass them with --storage-option key=ACCESS_KEY --storage-option secret=SECRET_KEY, "
+                "or set AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY (or AWS_PROFILE)")
+    if scheme in ("gs", "gcs"):
+        return ("pass them with --storage-option token=KEY_FILE.json, or set "
+                "GOOGLE_APPLICATION_CREDENTIALS")
+    if scheme in ("az", "abfs", "abfss"):
+        return ("pass them with --storage-option account_name=NAME --storage-option account_key=KEY, "
+                "or set AZURE_STORAGE_ACCOUNT_NAME and AZURE_STORAGE_ACCOUNT_KEY")
+    return "pass them with --storage-option KEY=VALUE (the options of the store's fsspec filesystem)"
+
+
+def _endpoint_option(url: str) -> str:
+    """How the endpoint of the URL's store is given, where it has one to give."""
+    if url.partition("://")[0] in ("s3", "s3a"):
+        return f"--storage-option client_kwargs='{_ENDPOINT_EXAMPLE}'"
+    return ""
+
+
+def _remote_urls(args: argparse.Namespace) -> list[str]:
+    """The remote URLs a command names: inputs, output, cache, or a recipe's sources."""
+    names = [*getattr(args, "inputs", []), *getattr(args, "urls", []),
+             getattr(args, "output", None), getattr(args, "cache", None)]
+    if getattr(args, "recipe", None) is not None:
+        names += _recipe_sources(args.recipe)
+    return list(dict.fromkeys(os.fspath(n) for n in names if n is not None and is_remote(n)))
+
+
+def _recipe_sources(recipe: str) -> list[str]:
+    try:
+        sources = load_recipe(recipe).get("sources")
+    except ValueError:  # an unreadable recipe: its own error is the one to report
+        return []
+    if not isinstance(sources, dict):
+        return []
+    paths = (spec.get("path") if isinstance(spec, dict) else spec for spec in sources.values())
+    return [p for p in paths if isinstance(p, str)]
+
+
+def _causes(error: BaseException) -> list[BaseException]:
+    """The error and the chain of errors that caused it (explicit or implicit), in order."""
+    chain: list[BaseException] = []
+    while error is not None and all(error is not seen for seen in chain):
+        chain.append(error)
+        error = error.__cause__ or error.__context__
+    return chain
+
+
+def _error_code(error: BaseException) -> str | None:
+    """The store's error code of a botocore ClientError (or of anything carrying its response)."""
+    response = getattr(error, "response", None)
+    if isinstance(response, dict) and isinstance(response.get("Error"), dict):
+        return str(response["Error"].get("Code"))
+    return None
+
+
+def _botocore_errors() -> tuple[tuple[type, ...], tuple[type, ...], tuple[type, ...]]:
+    """botocore's (no-credentials, connection, all) exception classes; empty where no store
+    client loaded botocore (then none of its errors can have been raised)."""
+    boto = sys.modules.get("botocore.exceptions")
+    if boto is None:
+        return (), (), ()
+    return ((boto.NoCredentialsError, boto.PartialCredentialsError, boto.CredentialRetrievalError),
+            (boto.EndpointConnectionError, boto.ConnectTimeoutError), (boto.BotoCoreError,))
+
+
+def _store_refusal(error: BaseException) -> tuple[str, BaseException] | None:
+    """What a remote store refused, from the error's chain: ("no credentials" | "credentials" |
+    "bucket" | "unreachable" | "not found", the cause); None for any other error."""
+    no_credentials, unreachable, _ = _botocore_errors()
+    chain = _causes(error)
+    for cause in chain:
+        code = _error_code(cause)
+        if code in _NO_BUCKET_CODES:
+            return "bucket", cause
+        if code in _CREDENTIAL_CODES:
+            return "credentials", cause
+        if isinstance(cause, no_credentials):
+            return "no credentials", cause
+        if isinstance(cause, unreachable):
+            return "unreachable", cause
+    for cause in chain:
+        if isinstance(cause, PermissionError) and cause.errno is None:  # not a local file's
+            return "credentials", cause
+        if isinstance(cause, FileNotFoundError):
+            return "not found", cause
+    return None
+
+
+def _missing_bucket(urls: list[str],
+                    storage_options: dict[str, Any] | None) -> tuple[str, str] | None:
+    """(url, bucket) for the first of `urls` whose bucket does not exist; None if all exist."""
+    for url in urls:
+        scheme, _, path = url.partition("://")
+        bucket = path.partition("/")[0]
+        if scheme not in BUCKET_SCHEMES or not bucket:
+            continue
+        fs, _ = fsspec.core.url_to_fs(url, **(storage_options or {}))
+        _, _, store_errors = _botocore_errors()  # loaded with the store's client, if at all
+        try:
+            fs.info(bucket)
+        except FileNotFoundError:
+            return url, bucket
+        except (OSError, *store_errors):  # no right to look at the bucket: it may well exist
+            continue
+    return None
+
+
+def _named_url(error: BaseException, urls: list[str]) -> str | None:
+    """The URL the error is about: the first of `urls` the chain's messages mention, else the
+    first of them (None without a remote URL)."""
+    text = " ".join(str(cause) for cause in _causes(error))
+    for url in urls:
+        where = re.split(r"[*?\[{]", url.partition("://")[2])[0].rstrip("/")
+        if where and where in text:
+            return url
+    return urls[0] if urls else None
+
+
+def _store_message(error: BaseException, args: argparse.Namespace) -> str | None:
+    """A remote store's refusal as one line: the URL, what was refused and what to do; None
+    when the error is not such a refusal."""
+    refusal = _store_refusal(error)
+    urls = [] if refusal is None else _remote_urls(args)
+    if not urls:
+        return None
+    kind, cause = refusal
+    if kind in ("bucket", "not found"):
+        missing = _missing_bucket(urls, args.storage_options)
+        if missing is None:
+            return None  # the bucket is there: the error's own message says what is missing
+        url, bucket = missing
+        return _no_bucket_message(url, bucket, writing=url == getattr(args, "output", None))
+    url = _named_url(error, urls)
+    detail = _one_line(cause)
+    if kind == "unreachable":
+        endpoint = _endpoint_option(url)
+        return (f"{url}: cannot reach the store ({detail}); check the network and the endpoint"
+                + (f" ({endpoint})" if endpoint else ""))
+    what = ("no credentials for the store" if kind == "no credentials"
+            else "the store refused the credentials")
+    return f"{url}: {what} ({detail}); {_credentials_remedy(url)}"
+
+
+def _no_bucket_message(url: str, bucket: str, writing: bool) -> str:
+    endpoint = _endpoint_option(url)
+    return (f"{url}: bucket {bucket!r} does not exist; {'create it first, or ' if writing else ''}"
+            "check the URL" + (f" (and, for a store other than AWS, its endpoint: {endpoint})"
+                               if endpoint else ""))
+
+
+def _remote_arguments(local_dir: bool) -> argparse.ArgumentParser:
+    """--storage-option, shared by every command that takes a cache or inputs, and --local-dir
+    for those that read a cache's files."""
+    parent = argparse.ArgumentParser(add_help=False)
+    group = parent.add_argument_group("remote caches and inputs (fsspec URLs: s3://, gs://, ...)")
+    group.add_argument("--storage-option", dest="storage_option", action="append", default=[],
+                       type=_storage_option, metavar="KEY=VALUE",
+                       help="an option of the store's fsspec filesystem, repeatable: credentials, "
+                            "endpoint... A VALUE that parses as JSON is taken as JSON, e.g. "
+                            "--storage-option key=ACCESS_KEY --storage-option secret=SECRET_KEY "
+                            f"--storage-option client_kwargs='{_ENDPOINT_EXAMPLE}'")
+    if local_dir:
+        group.add_argument("--local-dir", default=None, metavar="DIR",
+                           help="where a remote cache's files are copied, in a folder named by its "
+                                "fingerprint (default $TORCHCACHE_LOCAL_DIR or "
+                                "~/.cache/torchcache/remote)")
+    return parent
 
 
 def make_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="torchcache", description=__doc__)
     parser.add_argument("--version", action="version", version=f"torchcache {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
+    remote, remote_cache = _remote_arguments(local_dir=False), _remote_arguments(local_dir=True)
+    workers = (f"(default: the CPUs this process may use, {default_workers()} here; at most one "
+               "per input file)")
 
-    b = sub.add_parser("build", help="tokenize inputs into a cache (resumes an interrupted build)")
+    b = sub.add_parser("build", help="tokenize inputs into a cache (resumes an interrupted build)",
+                       parents=[remote])
     b.add_argument("inputs", nargs="+", help="input files, globs or directories (fsspec URLs)")
     b.add_argument("-o", "--output", required=True, help="cache directory")
     b.add_argument("-t", "--tokenizer", required=True, help="tokenizer.json path")
     b.add_argument("--text-key", default="text", help="JSON field holding the text (default: text)")
     b.add_argument("--block-tokens", type=int, default=2 ** 24, help="target tokens per block")
-    b.add_argument("-j", "--workers", type=int, default=None, help="worker processes (default: all cores)")
+    b.add_argument("-j", "--workers", type=int, default=None, help=f"worker processes {workers}")
     b.add_argument("--on-error", choices=("raise", "skip"), default="raise",
                    help="stop at a malformed record (default) or skip and count it")
     b.add_argument("--eos", default="auto", help="EOS token id or string appended to each document, "
@@ -415,7 +672,8 @@ def make_parser() -> argparse.ArgumentParser:
                    help="accept a build that yields no document (default: an error)")
     b.set_defaults(func=_build)
 
-    c = sub.add_parser("convert-webdataset", help="convert WebDataset tars into a cache")
+    c = sub.add_parser("convert-webdataset", help="convert WebDataset tars into a cache",
+                       parents=[remote])
     c.add_argument("urls", nargs="+", help="shard URLs or paths; brace patterns like "
                                            "'shard-{000000..000099}.tar' are expanded")
     c.add_argument("-o", "--output", required=True, help="cache directory")
@@ -429,13 +687,14 @@ def make_parser() -> argparse.ArgumentParser:
     c.add_argument("--eos", default=None, help="EOS id (or string, with a tokenizer) to append")
     c.add_argument("--bos", default=None, help="BOS id (or string, with a tokenizer) to prepend")
     c.add_argument("--block-tokens", type=int, default=2 ** 24, help="target tokens per block")
-    c.add_argument("-j", "--workers", type=int, default=None, help="worker processes")
+    c.add_argument("-j", "--workers", type=int, default=None, help=f"worker processes {workers}")
     c.add_argument("--on-error", choices=("raise", "skip"), default="raise")
     c.add_argument("--allow-empty", action="store_true",
                    help="accept a conversion that yields no document (default: an error)")
     c.set_defaults(func=_convert)
 
-    i = sub.add_parser("info", help="summarise a cache and list its stored pack plans")
+    i = sub.add_parser("info", help="summarise a cache and list its stored pack plans",
+                       parents=[remote_cache])
     i.add_argument("cache")
     i.add_argument("--plan-dir", default=None,
                    help="also list the pack plans stored in this directory (beside CACHE/packs)")
@@ -446,7 +705,8 @@ def make_parser() -> argparse.ArgumentParser:
                                     "(reused if stored; resumes an interrupted one)",
                        description="Compute the pack plan PackedDataset(CACHE, seq_len=N, ...) "
                                    "reads, in parallel, and store it, so opening the dataset "
-                                   "later costs about what opening the cache does.")
+                                   "later costs about what opening the cache does.",
+                       parents=[remote_cache])
     p.add_argument("cache")
     p.add_argument("--seq-len", type=int, required=True, help="tokens per packed row")
     p.add_argument("--long-docs", choices=LONG_DOCS, default="split",
@@ -470,7 +730,8 @@ def make_parser() -> argparse.ArgumentParser:
         "plan", help="per stage and per source: samples, tokens and epochs, without reading tokens",
         description="Read a recipe (JSON, or YAML with the yaml extra; format in "
                     "torchcache/recipe.py) and print, per stage and per source, the samples and "
-                    "tokens the run reads and how many times it goes through each source.")
+                    "tokens the run reads and how many times it goes through each source.",
+        parents=[remote_cache])
     mp.add_argument("recipe", help="recipe.json or recipe.yaml")
     mp.add_argument("--steps", type=int, default=None, help="optimizer steps (overrides the recipe)")
     mp.add_argument("--global-batch", type=int, default=None,
@@ -480,18 +741,20 @@ def make_parser() -> argparse.ArgumentParser:
     mp.add_argument("--json", action="store_true", help="print JSON")
     mp.set_defaults(func=_mix_plan)
 
-    v = sub.add_parser("verify", help="recompute all checksums; non-zero exit on any bad file")
+    v = sub.add_parser("verify", help="recompute all checksums; non-zero exit on any bad file",
+                       parents=[remote_cache])
     v.add_argument("cache")
     v.add_argument("--repair", action="store_true",
                    help="rebuild the damaged blocks from the inputs (byte-identical)")
     v.set_defaults(func=_verify)
 
     u = sub.add_parser("upgrade", help="convert a format v1 cache to v2 in place (crash-safe; "
-                                       "same fingerprint, block files untouched)")
+                                       "same fingerprint, block files untouched)",
+                       parents=[remote])
     u.add_argument("cache")
     u.set_defaults(func=_upgrade)
 
-    s = sub.add_parser("show", help="decode a document or a token range")
+    s = sub.add_parser("show", help="decode a document or a token range", parents=[remote_cache])
     s.add_argument("cache")
     what = s.add_mutually_exclusive_group(required=True)
     what.add_argument("-d", "--document", type=int, help="document index")
@@ -501,17 +764,25 @@ def make_parser() -> argparse.ArgumentParser:
     return parser
 
 
+_ONE_LINE_ERRORS = (ValueError, OSError, RuntimeError, IndexError, TypeError, ImportError)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = make_parser()
     args = parser.parse_args(argv)
+    args.storage_options = None
     try:
+        args.storage_options = _storage_options(args.storage_option)
         return args.func(args)
     except BrokenPipeError:  # `torchcache info CACHE | head`: the reader has what it wanted
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return 0
-    except (ValueError, OSError, RuntimeError, IndexError, TypeError, ImportError) as e:
-        # bad input, a bad cache, a full or read-only disk: one line, no traceback
-        print(f"torchcache {args.command}: error: {_one_line(e)}", file=sys.stderr)
+    except Exception as e:
+        # bad input, a bad cache, a full or read-only disk, a store's refusal: one line, no traceback
+        message = _store_message(e, args)
+        if message is None and not isinstance(e, _ONE_LINE_ERRORS):
+            raise  # a bug: the traceback is what a report needs
+        print(f"torchcache {args.command}: error: {message or _one_line(e)}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         print("interrupted; committed work is kept and re-running the same command resumes",

@@ -9,6 +9,7 @@ commit rewrites the manifest atomically, so a crash at any point leaves the last
 
 from __future__ import annotations
 
+import hashlib
 import os
 import re
 import signal
@@ -16,9 +17,9 @@ from typing import Any, Callable, Iterable
 
 from . import format as fmt
 from . import ledger
-from .errors import BuildError, InputError
-from .storage import TMP_MARK, Lock, Storage
-from .worker import BlockWritten, Event, InputDone, Progress, WorkerFailed
+from .errors import BuildError
+from .storage import TMP_MARK, LocalStorage, Lock, Storage
+from .worker import BlockWritten, Event, InputDone, Progress, WorkerFailed, raise_failure
 
 # Crash tests set this to kill the builder (SIGKILL, as a crash would) right after its N-th
 # manifest write, so a test interrupts a build at a commit instead of racing it with a timer.
@@ -59,6 +60,11 @@ class _StreamCursor:
         return joined
 
 
+# an input's final progress in a complete cache's head: the ledger's fields, and the stamp of
+# the file version the build read (see `inputs`), which makes a re-run's no-op check cheap
+_FINAL_FIELDS = ledger.PROGRESS_FIELDS + ("stamp",)
+
+
 class ManifestState:
     """The coordinator's view of the build record; `save()` commits what changed since the last
     save (format v2: appends to the commit log and the block index, then replaces head.json)."""
@@ -79,8 +85,9 @@ class ManifestState:
                 self.finished[entry["input"]].append(entry)
             for i, p in enumerate(existing["inputs"]):
                 self._set_progress(i, {k: p[k] for k in ("records", "skipped", "blocks", "done")})
-                if p.get("digest") is not None:
-                    self.progress[i]["digest"] = p["digest"]
+                for key in ("digest", "stamp"):
+                    if p.get(key) is not None:
+                        self.progress[i][key] = p[key]
             for blocks in self.finished:
                 blocks.sort(key=lambda e: e["index"])
         self._cursor = _StreamCursor(n)
@@ -147,9 +154,10 @@ class ManifestState:
                     num_tokens=self.num_tokens, num_documents=self.num_documents,
                     complete=self.complete, skipped=summary["skipped"])
         if self.complete:  # the last commit: the head keeps each input's final progress instead
-            head.update(records=0, inputs=[{k: p[k] for k in ledger.PROGRESS_FIELDS if k in p}
+            head.update(records=0, inputs=[{k: p[k] for k in _FINAL_FIELDS if k in p}
                                            for p in self.progress])
             self._writer.finish(visible, head)
+            remove_empty_log_dir(self.storage)
         else:
             self.records += len(self._unsaved)
             head.update(records=self.records)
@@ -197,10 +205,7 @@ class Committer:
             self.on_progress(event.input, event.position, event.tokens)
             return False
         if isinstance(event, WorkerFailed):
-            if event.kind == "input":
-                raise InputError(event.message)
-            raise BuildError(f"building input {self.state.spec['inputs'][event.input]['path']} "
-                             f"failed: {event.message}")
+            raise_failure(event, self.state.spec["inputs"][event.input]["path"])
         raise TypeError(f"unknown build event {event!r}")
 
     def _save(self) -> None:
@@ -227,21 +232,69 @@ def acquire_lock(storage: Storage) -> Lock:
 
 
 def clean_leftovers(storage: Storage, manifest: dict[str, Any] | None) -> None:
-    """Delete the builder's own leftovers of a crash: temporary files, and block files that the
-    manifest does not know. Files the builder did not create are never touched."""
+    """Delete the builder's own leftovers of a crash: temporary files of writers that are gone,
+    and block files that the manifest does not know. Files the builder did not create are never
+    touched."""
     known = set()
     if manifest:
         for e in manifest["blocks"] + manifest.get("pending", []):
             known.update((e["path"], e["offsets"], e.get("keys")))
-    for name in storage.listdir(""):
-        if _OWN_TOP_TMP.fullmatch(name):
-            storage.delete(name)
+    fmt.remove_dead_temp_files(storage, "", fmt.TOP_FILES)
+    fmt.remove_dead_temp_files(storage, fmt.BLOCK_DIR, _OWN_BLOCK_FILE)
     for name in storage.listdir(fmt.BLOCK_DIR):
         rel = f"{fmt.BLOCK_DIR}/{name}"
-        if _OWN_BLOCK_FILE.fullmatch(name) and rel not in known:
+        if TMP_MARK not in name and _OWN_BLOCK_FILE.fullmatch(name) and rel not in known:
             storage.delete(rel)
     if manifest and manifest["complete"] and manifest.get("version") == 2:
         ledger.delete_log(storage)  # left by a crash right after the last commit
+        remove_empty_log_dir(storage)
+
+
+def remove_empty_log_dir(storage: Storage) -> None:
+    """A complete cache has no commit log: its emptied folder goes too (object stores have no
+    folders). A folder the user put files in is left alone."""
+    if not isinstance(storage, LocalStorage):
+        return
+    folder = os.path.join(storage.root, ledger.LOG_DIR)
+    if os.path.isdir(folder) and not os.listdir(folder):
+        os.rmdir(folder)
+
+
+def damaged_pending(storage: Storage, manifest: dict[str, Any]) -> list[dict[str, Any]]:
+    """The finished blocks that wait, not yet committed to the stream (`pending`), whose files
+    are missing or differ from the checksums the commit log recorded for them."""
+    return [e for e in manifest.get("pending", []) if not _block_files_match(storage, e)]
+
+
+def _block_files_match(storage: Storage, entry: dict[str, Any]) -> bool:
+    for name, checksum in (("path", "checksum"), ("offsets", "offsets_checksum"),
+                           ("keys", "keys_checksum")):
+        if entry.get(name) is None:
+            continue
+        try:
+            data = storage.read(entry[name])
+        except FileNotFoundError:
+            return False
+        if "sha256:" + hashlib.sha256(data).hexdigest() != entry[checksum]:
+            return False
+    return True
+
+
+def block_starts(storage: Storage, manifest: dict[str, Any],
+                 blocks: set[tuple[int, int]]) -> dict[tuple[int, int], dict[str, Any]]:
+    """Where each (input, block) of `blocks` starts in its input: the input's progress as of its
+    block before, from the commit log (absent for a block whose log record has no progress,
+    as in a cache upgraded from format v1)."""
+    starts = {(i, k): {"records": 0, "skipped": {}, "blocks": 0} for i, k in blocks if k == 0}
+    head = ledger.read_head(storage, manifest["fingerprint"])
+    for record in ledger.read_log(storage, head["records"], manifest["chunk_records"]):
+        entry = record.get("entry")
+        if entry is None or "progress" not in record:
+            continue
+        key = (record["input"], entry["index"] + 1)
+        if key in blocks:
+            starts[key] = dict(record["progress"], blocks=key[1])
+    return starts
 
 
 def check_new_output(storage: Storage) -> None:
@@ -294,9 +347,9 @@ def _start_over(storage: Storage) -> None:
     """Remove a cache that committed nothing (a first build that failed), manifest last."""
     clean_leftovers(storage, None)
     storage.delete(fmt.TOKENIZER_NAME)
-    storage.delete(ledger.HEAD_NAME)
     for folder in (ledger.INDEX_DIR, ledger.LOG_DIR):
         for name in storage.listdir(folder):
             if _OWN_CHUNK.fullmatch(name):
                 storage.delete(f"{folder}/{name}")
+    storage.delete(ledger.HEAD_NAME)  # after the chunks: no head with chunks reads as a lost head
     storage.delete(fmt.MANIFEST_NAME)

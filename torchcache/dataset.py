@@ -7,7 +7,8 @@ To batch documents (different lengths) use :func:`torchcache.pad_collate` or
 from __future__ import annotations
 
 import os
-from typing import Callable, Sequence
+from collections.abc import Mapping
+from typing import Any, Callable, Sequence
 
 import numpy as np
 import torch
@@ -29,6 +30,19 @@ def open_cache(cache: TokenCache | str | os.PathLike) -> TokenCache:
         return TokenCache(cache)
     raise TypeError(f"cache must be a tc.TokenCache or the path/URL of one (str or os.PathLike), "
                     f"got {type(cache).__name__}")
+
+
+def _content_fields(saved: Any, name: str) -> tuple[int, str]:
+    """(blocks, sha256) of a saved :attr:`GrowingDataset.content_identity`; ValueError naming
+    ``name`` if it is anything else."""
+    shape = "{'blocks': int >= 0, 'sha256': 64 hex digits}"
+    if not isinstance(saved, Mapping) or set(saved) != {"blocks", "sha256"}:
+        raise ValueError(f"{name} must be {shape} (a dataset's content_identity), got {saved!r}")
+    blocks, digest = saved["blocks"], saved["sha256"]
+    if (type(blocks) is not int or blocks < 0 or not isinstance(digest, str) or len(digest) != 64
+            or digest.strip("0123456789abcdef")):
+        raise ValueError(f"{name} must be {shape} (a dataset's content_identity), got {saved!r}")
+    return blocks, digest
 
 
 _WINDOWS = "__torchcache_windows__"  # the key of the token windows in a compact batch
@@ -72,6 +86,44 @@ class GrowingDataset(Dataset):
             return f"tokenizer fingerprint {tokenizer['fingerprint']}"
         return (f"pre-tokenized ids (no tokenizer), vocab_size={self.cache.vocab_size}, "
                 f"dtype={self.cache.spec['dtype']}")
+
+    @property
+    def content_identity(self) -> dict[str, Any]:
+        """What the cache holds now: its committed blocks and their
+        :meth:`~torchcache.TokenCache.content_digest`. Loader states save it, so that a state is
+        refused on a cache of other content even where fingerprint and size agree.
+
+        >>> ds.content_identity  # doctest: +SKIP
+        {'blocks': 12, 'sha256': '5d1e...'}
+        """
+        blocks = self.cache.num_blocks
+        return {"blocks": blocks, "sha256": self.cache.content_digest(blocks)}
+
+    def check_content(self, saved: Any, name: str = "content") -> None:
+        """ValueError unless the cache starts with the blocks ``saved`` (a
+        :attr:`content_identity`, under the name ``name``) describes. The cache may have
+        committed more blocks since (a state saved while it was being built).
+
+        >>> ds.check_content(state["content"])  # doctest: +SKIP
+        """
+        blocks, digest = _content_fields(saved, name)
+        cache = self.cache
+        if cache.num_blocks < blocks and not cache.complete:
+            self.refresh()  # a state saved by a process that saw more of the build
+        if cache.num_blocks < blocks:
+            raise ValueError(
+                f"the cache at {cache.url} has {cache.num_blocks} committed blocks, the state was "
+                f"saved on a cache with {blocks}: the state belongs to another cache's content. "
+                "Resume on the cache the state was saved on, or start a new run instead of "
+                "loading it")
+        found = cache.content_digest(blocks)
+        if found != digest:
+            raise ValueError(
+                f"the cache at {cache.url} holds other data than the cache the state was saved on "
+                f"(the digest of its first {blocks} committed blocks is {found[:16]}..., the "
+                f"state's is {digest[:16]}...): the state belongs to another cache's content, "
+                "although fingerprint and size may agree. Resume on the cache the state was "
+                "saved on, or start a new run instead of loading it")
 
     def _check(self, indices: Sequence[int]) -> np.ndarray:
         """``indices`` as flat int64 positions in ``[0, len)``: one vectorised check per batch.

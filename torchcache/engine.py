@@ -7,6 +7,7 @@ a re-run with the same spec resumes from the manifest or, when complete, does no
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import time
 from dataclasses import dataclass
@@ -16,17 +17,18 @@ import numpy as np
 from tqdm.auto import tqdm
 
 from . import format as fmt
-from .commit import Committer, ManifestState, acquire_lock, open_existing
-from .errors import BuildError
+from .commit import (Committer, ManifestState, acquire_lock, block_starts, damaged_pending,
+                     open_existing)
+from .errors import BuildError, InputChangedError
 from .executors import run_inline, run_pool
-from .inputs import resolve_inputs
+from .inputs import content_identity, iter_records, iter_strings, resolve_inputs
 from .ledger import write_header
 from .ray_executor import run_ray
-from .records import ITERABLE_PATH
+from .records import ITERABLE_PATH, InputSource
 from .storage import LocalStorage, Storage, open_storage
 from .tokenizing import (TokenizerLike, canonical_json, load_tokenizer, special_token_id,
                          tokenizer_fingerprint)
-from .worker import BuildJob
+from .worker import BlockWritten, BuildJob, build_input
 
 
 @dataclass
@@ -116,9 +118,20 @@ def run_build(inputs: Any, output: str | os.PathLike, tokenizer: TokenizerLike |
     }
     _check_output_path(storage)
     storage.makedirs()
+    job = BuildJob(storage, None if tok is None else canonical_json(tok), bos_id, eos_id,
+                   str(dtype), text_key, block_tokens, on_error, special_tokens_as_text,
+                   dict(storage_options or {}), vocab_size)
     lock = acquire_lock(storage)
     try:
         existing = open_existing(storage, spec)
+        restamped: dict[int, str] = {}
+        if existing is not None:
+            if sources is None:
+                if existing["complete"]:
+                    _check_iterable(storage, existing, resolved)
+            else:
+                restamped = _check_finished_inputs(storage, existing, sources, job)
+                _rewrite_pending(storage, existing, sources, job)
         if existing is not None and existing["complete"]:
             if tok is not None and not storage.exists(fmt.TOKENIZER_NAME):
                 storage.write(fmt.TOKENIZER_NAME, [tok.to_str().encode()])
@@ -127,13 +140,12 @@ def run_build(inputs: Any, output: str | os.PathLike, tokenizer: TokenizerLike |
         if existing is None:
             write_header(storage, spec)  # the manifest first: a tokenizer.json without one is never ours
         state = ManifestState(storage, spec, existing, lock)
+        for i, stamp in restamped.items():
+            state.progress[i]["stamp"] = stamp
         if existing is None:
             state.save()  # an empty first commit
         if tok is not None and not storage.exists(fmt.TOKENIZER_NAME):
             storage.write(fmt.TOKENIZER_NAME, [tok.to_str().encode()])
-        job = BuildJob(storage, None if tok is None else canonical_json(tok), bos_id, eos_id,
-                       str(dtype), text_key, block_tokens, on_error, special_tokens_as_text,
-                       dict(storage_options or {}), vocab_size)
         todo = [i for i, p in enumerate(state.progress) if not p["done"]]
         starts = {i: dict(state.progress[i]) for i in todo}
         bar = _ProgressBar(spec["inputs"], state, enabled=progress)
@@ -146,11 +158,100 @@ def run_build(inputs: Any, output: str | os.PathLike, tokenizer: TokenizerLike |
                 built = run_inline(job, sources or [resolved], todo, starts, committer, should_stop)
             else:
                 built = run_pool(job, sources, todo, starts, committer, should_stop, workers)
-        finally:
-            bar.close()
+        except BaseException:
+            bar.close(clear=True)  # no stale bar above the error message that follows
+            raise
+        bar.close()
         return _result(storage, state.summary(), started, built, allow_empty)
     finally:
         lock.release()
+
+
+def _check_iterable(storage: Storage, existing: dict[str, Any], items: Any) -> None:
+    """A complete cache built from an iterable: the iterable given now must be the same stream
+    of strings (read and digested here, not tokenized), else InputChangedError."""
+    recorded = existing["inputs"][0]
+    count, digest = content_identity(iter_strings(items, 0, "skip"))
+    if recorded.get("digest") is None and recorded["records"]:
+        return  # a cache made before digests were recorded: nothing to compare with
+    if (count, digest) == (recorded["records"], recorded.get("digest")):
+        return
+    how = (f"{count} items now, {recorded['records']} then" if count != recorded["records"]
+           else "as many items, other content")
+    raise InputChangedError(f"{storage.url}: the iterable of strings given differs from the one "
+                            f"this cache was built from ({how}); the cache is unchanged. Pass "
+                            f"the same strings, build into a new output, or delete {storage.url} "
+                            "to rebuild it")
+
+
+def _check_finished_inputs(storage: Storage, existing: dict[str, Any], sources: list[InputSource],
+                           job: BuildJob) -> dict[int, str]:
+    """Every input an earlier build finished must be the version it read: the same stamp
+    (modification time, ETag) proves it cheaply; otherwise its content is read and digested.
+    InputChangedError names the first that changed; returns the new stamps of inputs whose
+    stamp changed but whose content did not."""
+    restamped = {}
+    for i, (source, recorded) in enumerate(zip(sources, existing["inputs"])):
+        if not recorded["done"]:
+            continue  # resumed: the records it read before are checked as they are read again
+        stamp = recorded.get("stamp")
+        if isinstance(stamp, str) and stamp == source.stamp:
+            continue
+        if recorded.get("digest") is None and recorded["records"]:
+            continue  # a cache made before digests were recorded: nothing to compare with
+        records = iter_records(source, job.text_key, 0, "skip", job.storage_options,
+                               tokens=job.tokenizer_json is None)
+        if content_identity(records) != (recorded["records"], recorded.get("digest")):
+            raise InputChangedError(_changed_message(storage, source, existing["complete"]))
+        if source.stamp is not None:
+            restamped[i] = source.stamp
+    return restamped
+
+
+def _changed_message(storage: Storage, source: InputSource, complete: bool) -> str:
+    if complete:
+        return (f"input {source.path} changed since the cache {storage.url} was built from it "
+                f"(same size, other content); the cache is unchanged and holds the old content. "
+                f"Restore the input, build into a new output, or delete {storage.url} to rebuild it")
+    return (f"input {source.path} changed since the interrupted build into {storage.url} read it "
+            "(same size, other content); resuming would mix two versions of it. Restore the "
+            "input, or build into a new output")
+
+
+def _rewrite_pending(storage: Storage, existing: dict[str, Any], sources: list[InputSource],
+                     job: BuildJob) -> None:
+    """Blocks an interrupted build finished but had not committed to the stream yet (pending)
+    whose files are now missing or damaged are made again from their inputs, byte for byte,
+    before the build goes on; BuildError when that cannot give the recorded bytes."""
+    damaged = damaged_pending(storage, existing)
+    if not damaged:
+        return
+    starts = block_starts(storage, existing, {(e["input"], e["index"]) for e in damaged})
+    rebuild = dataclasses.replace(job, on_error="skip")  # blocks end where the first build's did
+    for entry in damaged:
+        start = starts.get((entry["input"], entry["index"]))
+        if start is None:
+            raise BuildError(f"{storage.url}/{entry['path']}: a block the interrupted build "
+                             "finished is missing or damaged, and the commit log does not say "
+                             f"where it starts in its input; delete {storage.url} and build again")
+        made = _first_block(build_input(rebuild, entry["input"], sources[entry["input"]], start))
+        if made is None or any(made.get(k) != entry.get(k) for k in
+                               ("checksum", "offsets_checksum", "keys_checksum")):
+            raise BuildError(f"{storage.url}/{entry['path']}: a block the interrupted build "
+                             f"finished is missing or damaged, and making it again from "
+                             f"{sources[entry['input']].path} gave other bytes: the input changed. "
+                             f"Restore the input, or delete {storage.url} and build again")
+
+
+def _first_block(events) -> dict[str, Any] | None:
+    """The entry of the first block a `build_input` run writes (then it is stopped)."""
+    try:
+        for event in events:
+            if isinstance(event, BlockWritten):
+                return event.entry
+        return None
+    finally:
+        events.close()
 
 
 def _check_output_path(storage: Storage) -> None:
@@ -218,6 +319,8 @@ class _ProgressBar:
         self.bar.set_postfix_str(f"{self.tokens / elapsed / 1e6:.2f}M tok/s", refresh=False)
         self.bar.update(max(delta, 0))
 
-    def close(self) -> None:
+    def close(self, clear: bool = False) -> None:
+        """Leave the final bar on screen, or erase it (`clear`)."""
         if self.bar is not None:
+            self.bar.leave = not clear
             self.bar.close()

@@ -7,15 +7,14 @@ lives in `ray_executor`. The cache does not depend on which one ran, nor on how 
 
 from __future__ import annotations
 
-import traceback
 from multiprocessing.connection import Connection, wait as wait_for_connections
 from typing import Any, Callable, Iterable
 
 from ._procs import Child, start_child
 from .commit import Committer
-from .errors import BuildError, InputError
+from .errors import BuildError
 from .records import InputSource
-from .worker import BuildJob, Event, InputDone, WorkerFailed, build_input
+from .worker import BuildJob, Event, InputDone, WorkerFailed, build_input, worker_failed
 
 ShouldStop = Callable[[], bool] | None
 
@@ -96,7 +95,7 @@ def _pool_worker(conn: Connection, job: BuildJob, sources: list[InputSource],
                  starts: dict[int, dict[str, Any]]) -> None:
     """A pool worker (a child started by `_procs`): build the inputs the coordinator sends
     until it sends None. A dead coordinator closes the connection, so the next send fails and
-    the worker exits."""
+    the worker exits. A failure is sent to the coordinator, which raises it as its own."""
     while True:
         index = conn.recv()
         if index is None:
@@ -104,12 +103,6 @@ def _pool_worker(conn: Connection, job: BuildJob, sources: list[InputSource],
         try:
             for event in build_input(job, index, sources[index], starts[index]):
                 conn.send(event)
-        except InputError as e:
-            conn.send(WorkerFailed(index, "input", str(e)))
-            return
-        except OSError as e:  # a full disk, a lost connection...: one line, no traceback
-            conn.send(WorkerFailed(index, "os", f"{type(e).__name__}: {e}"))
-            return
-        except Exception as e:  # a bug: reported with its traceback, re-raised by the coordinator
-            conn.send(WorkerFailed(index, "crash", f"{type(e).__name__}: {e}\n{traceback.format_exc()}"))
+        except Exception as e:  # noqa: BLE001 - reported whole (type, message, cause) and raised there
+            conn.send(worker_failed(index, e))
             return

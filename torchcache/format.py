@@ -28,13 +28,15 @@ import numpy as np
 
 from .errors import CacheFormatError
 from .storage import BLOCK_DIR, MANIFEST as MANIFEST_NAME
-from .storage import LocalStorage, Storage, open_regular, read_capped, read_regular
+from .storage import TMP_MARK, LocalStorage, Storage, open_regular, read_capped, read_regular
 
 FORMAT_NAME = "torchcache"
 FORMAT_VERSION = 2  # the layout new builds write (v2: see ledger.py); v1 caches stay readable
 READABLE_VERSIONS = (1, 2)
 BLOCK_FILE_VERSION = "1"  # block, offsets and keys files are the same in v1 and v2
 TOKENIZER_NAME = "tokenizer.json"
+TOP_FILES = re.compile(r"(manifest|tokenizer|head)\.json")  # written whole at a cache's top
+BLOCK_FILES = re.compile(r"\d{6}-\d{6}(\.offsets\.safetensors|\.keys\.json|\.safetensors)")
 
 # safetensors dtype names of the arrays a cache holds: tokens (U16, U32), offsets (I64)
 DTYPES = {"U16": np.dtype("<u2"), "U32": np.dtype("<u4"), "I64": np.dtype("<i8")}
@@ -296,6 +298,49 @@ class CacheDir:
     def read(self, rel: str, limit: int) -> bytes:
         """The whole of a regular file inside the cache, refused if larger than `limit` bytes."""
         return read_regular(self.path(rel), limit)
+
+
+# ---------------------------------------------------------------- leftovers of killed writers
+
+def remove_dead_temp_files(storage: "Storage", folder: str, own: "re.Pattern[str]") -> list[str]:
+    """Delete the temporary files in `folder` that a killed writer left: `NAME.tmp-PID`, as
+    LocalStorage.write names them, where `own` matches NAME and process PID no longer exists.
+
+    The one way builds, `pack`, `upgrade` and `repair` clean up after a crash. A live process's
+    file is kept (it may be renaming it right now), and so is any name the writers never use.
+    Object stores are written in one put, so they hold no temporary files. Returns the deleted
+    paths, relative to the storage root.
+    """
+    if not isinstance(storage, LocalStorage):
+        return []
+    deleted = []
+    for name in storage.listdir(folder):
+        final, mark, pid = name.rpartition(TMP_MARK)
+        if mark and pid.isdigit() and own.fullmatch(final) and not _process_exists(int(pid)):
+            rel = f"{folder}/{name}" if folder else name
+            storage.delete(rel)
+            deleted.append(rel)
+    return deleted
+
+
+def _process_exists(pid: int) -> bool:
+    """Whether process `pid` runs on this machine (signal 0 checks without signalling). A
+    zombie, a dead process nobody has reaped yet (an orphan in a container whose init does not
+    reap), runs no more."""
+    if not 0 < pid < 2 ** 31:
+        return False
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's process
+        return True
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            state = f.read().rpartition(b")")[2].split()[:1]
+    except OSError:  # no /proc (macOS), or it has just exited
+        return True
+    return state not in ([b"Z"], [b"X"])
 
 
 # ---------------------------------------------------------------- the manifest

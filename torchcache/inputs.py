@@ -110,9 +110,28 @@ def _expand(url: str, storage_options: dict[str, Any]) -> list[InputSource]:
     sources = []
     for p in paths:
         kind, compression = _kind_of(p)
-        full = os.path.abspath(p) if protocol in ("file", "local") else fs.unstrip_protocol(p)
-        sources.append(InputSource(full, kind, compression, int(fs.size(p))))
+        if protocol in ("file", "local"):
+            full = os.path.abspath(p)
+            st = os.stat(full)
+            size, stamp = st.st_size, f"mtime_ns={st.st_mtime_ns},ctime_ns={st.st_ctime_ns}"
+        else:
+            full = fs.unstrip_protocol(p)
+            info = fs.info(p)
+            size, stamp = info["size"], _remote_stamp(info)
+        sources.append(InputSource(full, kind, compression, int(size), stamp))
     return sources
+
+
+# what object stores and other file systems report about a version of a file, strongest first
+_STAMP_KEYS = ("ETag", "etag", "VersionId", "version_id", "generation", "md5Hash", "LastModified",
+               "last_modified", "updated", "mtime", "modified", "created")
+
+
+def _remote_stamp(info: dict[str, Any]) -> str | None:
+    """The file system's identity of this version of a file (ETag, version, modification time),
+    or None when it reports none of them."""
+    parts = [f"{key}={info[key]}" for key in _STAMP_KEYS if info.get(key) not in (None, "")]
+    return ",".join(parts) or None
 
 
 def _pipe_source(url: str) -> InputSource:
@@ -135,7 +154,7 @@ def _pipe_source(url: str) -> InputSource:
     if kind == "parquet":
         raise ValueError(f"input {url!r}: Parquet needs random access and cannot be read from a "
                          "pipe; copy the file, or give its URL")
-    return InputSource(url, kind, None if kind == "wds" else AUTO, None)
+    return InputSource(url, kind, None if kind == "wds" else AUTO, None, None)
 
 
 @contextlib.contextmanager
@@ -277,7 +296,10 @@ def _with_retries(path: str, read: Callable[[RecordNumbering], Iterator[Record]]
                   start_digest: str | None) -> Iterator[Record]:
     """Records of `read`; after an I/O error, the input is read again from the last record read
     (skipping the records before it, checked by their digest), until _ATTEMPTS reads in a row
-    fail without reading a new record."""
+    fail without reading a new record. A missing file or a refused permission is not retried.
+
+    The error raised names the input and keeps the I/O error's type (a PermissionError stays
+    one), with the I/O error itself as its cause."""
     since, failures = SINCE_BUILD, 0
     while True:
         numbering = RecordNumbering(path, start, start_digest, since)
@@ -288,11 +310,27 @@ def _with_retries(path: str, read: Callable[[RecordNumbering], Iterator[Record]]
             if numbering.number > start:  # progress: every record read was yielded, or is skipped
                 start, start_digest, since, failures = numbering.number, numbering.digest(), SINCE_READ, 0
             failures += 1
+            if isinstance(e, _PERMANENT):
+                raise _same_type(e)(f"{path}: cannot read it ({type(e).__name__}: {e}) at record "
+                                    f"{start + 1}; check that it exists and that these credentials "
+                                    "may read it, then re-run the build to resume") from e
             if failures >= _ATTEMPTS:
-                raise OSError(f"{path}: reading failed {failures} times ({type(e).__name__}: {e}) at "
-                              f"record {start + 1}; committed blocks are kept, re-run the build to "
-                              "resume") from e
+                raise _same_type(e)(f"{path}: reading failed {failures} times ({type(e).__name__}: "
+                                    f"{e}) at record {start + 1}; committed blocks are kept, re-run "
+                                    "the build to resume") from e
             time.sleep(_RETRY_DELAY * 2 ** (failures - 1))
+
+
+_PERMANENT = (PermissionError, FileNotFoundError, IsADirectoryError, NotADirectoryError)
+
+
+def _same_type(error: OSError) -> type[OSError]:
+    """The built-in OSError class of `error` (PermissionError, ConnectionResetError, ...): a
+    library's own subclass may not take a message alone, so it becomes its nearest built-in."""
+    for cls in type(error).__mro__:
+        if cls.__module__ == "builtins" and issubclass(cls, OSError):
+            return cls
+    return OSError
 
 
 def _read_text(source: InputSource, text_key: str, on_error: str, options: dict[str, Any],
@@ -484,13 +522,15 @@ _READERS: dict[str, Callable[..., Iterator[Record]]] = {
 # ---------------------------------------------------------------- an iterable of strings
 
 def iter_strings(items: Iterable[Any], start: int, on_error: str,
-                 start_digest: str | None = None) -> Iterator[Record]:
+                 start_digest: str | None = None, output: str | None = None) -> Iterator[Record]:
     """Records of an iterable of strings (the item index is the record number).
 
-    `start_digest` is checked as in iter_records. An iterable cannot be reopened, so an error
-    of the iterable itself propagates as it is.
+    `start_digest` is checked as in iter_records (a changed stream is named as the iterable
+    given for `output`). An iterable cannot be reopened, so an error of the iterable itself
+    propagates as it is.
     """
-    numbering = RecordNumbering(ITERABLE_PATH, start, start_digest)
+    name = ITERABLE_PATH if output is None else f"{output}: the iterable of strings given"
+    numbering = RecordNumbering(name, start, start_digest)
     for item in items:
         bad = _hash_item(numbering, item)
         if not numbering.advance():
@@ -501,6 +541,15 @@ def iter_strings(items: Iterable[Any], start: int, on_error: str,
             yield skipped_record(f"inputs item {numbering.number}", bad, on_error, numbering.number, 0,
                                  digest=numbering.digest())
     numbering.check_end()
+
+
+def content_identity(records: Iterable[Record]) -> tuple[int, str | None]:
+    """The number and digest of the last record of a whole input read from its start with
+    on_error='skip': what a finished build records as that input's final progress."""
+    number, digest = 0, None
+    for record in records:
+        number, digest = record.number, record.digest
+    return number, digest
 
 
 def _hash_item(numbering: RecordNumbering, item: Any) -> BadRecord | None:

@@ -20,8 +20,10 @@ v1 caches (one manifest.json holding everything) are read as they are; `upgrade`
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
+import re
 from dataclasses import dataclass
 from typing import Any, Iterable
 
@@ -203,11 +205,7 @@ def open_state(storage: Storage, *, check_order: bool = True) -> CacheState:
         return CacheState(1, manifest["spec"], manifest["fingerprint"], manifest["complete"],
                           dict(manifest.get("skipped", {})), BlockTable.from_entries(manifest["blocks"]),
                           None)
-    spec = fmt.check_header(manifest, path)
-    chunk = manifest.get("chunk_records")
-    if type(chunk) is not int or not 1 <= chunk <= 1 << 20:
-        raise CacheFormatError(f"{path}: chunk_records {chunk!r} is not a chunk size; the manifest "
-                               "is corrupted (restore it or rebuild the cache)")
+    spec, chunk = _v2_header(manifest, path)
     head = read_head(storage, manifest["fingerprint"])
     records = read_index(storage, 0, head["blocks"], chunk)
     check_records(records, len(spec["inputs"]), np.zeros(len(spec["inputs"]), np.int64), -1,
@@ -217,6 +215,16 @@ def open_state(storage: Storage, *, check_order: bool = True) -> CacheState:
     per_input = np.bincount(records["input"], minlength=len(spec["inputs"])).astype(np.int64)
     return CacheState(2, spec, manifest["fingerprint"], head["complete"], dict(head["skipped"]),
                       table, head, chunk, per_input)
+
+
+def _v2_header(manifest: dict[str, Any], path: str) -> tuple[dict[str, Any], int]:
+    """The spec and chunk size of a v2 manifest, validated."""
+    spec = fmt.check_header(manifest, path)
+    chunk = manifest.get("chunk_records")
+    if type(chunk) is not int or not 1 <= chunk <= 1 << 20:
+        raise CacheFormatError(f"{path}: chunk_records {chunk!r} is not a chunk size; the manifest "
+                               "is corrupted (restore it or rebuild the cache)")
+    return spec, chunk
 
 
 def refresh_state(storage: Storage, state: CacheState) -> CacheState:
@@ -320,6 +328,9 @@ def read_head(storage: Storage, fingerprint: str) -> dict[str, Any]:
     try:
         data = fmt.read_capped_file(storage, HEAD_NAME, MAX_HEAD_BYTES)
     except FileNotFoundError:
+        problem = missing_head(storage)
+        if problem is not None:
+            raise CacheFormatError(problem) from None
         return empty_head(fingerprint)
     head = fmt.decode_json(data, path, "head")
 
@@ -349,6 +360,33 @@ def read_head(storage: Storage, fingerprint: str) -> dict[str, Any]:
     if not isinstance(skipped, dict) or not all(type(v) is int and v >= 0 for v in skipped.values()):
         raise bad("skipped must map reasons to counts")
     return head
+
+
+_CHUNK_FILE = re.compile(r"\d{6}\.(bin|jsonl)")
+_BLOCK_FILE = re.compile(r"\d{6}-\d{6}\.safetensors")
+
+
+def missing_head(storage: Storage) -> str | None:
+    """What is wrong when a v2 cache has no head.json but holds what only commits make (index
+    records, log records, block files: the builder's first commit writes head.json before any
+    of them), or None when it has a head.json, or nothing committed yet (a new cache)."""
+    if storage.exists(HEAD_NAME):
+        return None
+    found = [f"{d}/{n}" for d in (INDEX_DIR, LOG_DIR) for n in storage.listdir(d) if _CHUNK_FILE.fullmatch(n)]
+    if not found:
+        found = [f"{fmt.BLOCK_DIR}/{n}" for n in storage.listdir(fmt.BLOCK_DIR) if _BLOCK_FILE.fullmatch(n)]
+    if not found:
+        return None
+    return (f"{storage.url}/{HEAD_NAME}: missing, but the cache holds committed data ({found[0]} "
+            "and more): its commit point was deleted or lost, so none of it can be read. Run "
+            f"`torchcache verify --repair {storage.url}` to restore head.json from the index and "
+            "the commit log")
+
+
+def lost_head(storage: Storage) -> str | None:
+    """`missing_head` for a cache of format v2 (a v1 cache has no head.json); None for v1."""
+    _, version, _ = fmt.load_manifest(storage)
+    return missing_head(storage) if version == 2 else None
 
 
 def _chunks(start: int, stop: int, size: int) -> Iterable[tuple[int, int, int]]:
@@ -487,6 +525,99 @@ def replay_log(storage: Storage, spec: dict[str, Any], count: int,
     return entries, progress
 
 
+# ---------------------------------------------------------------- restoring a lost head.json
+
+def stored_index(storage: Storage) -> tuple[dict[str, Any], np.ndarray]:
+    """The v2 manifest, and every whole record the index chunks hold (committed or not), checked
+    for ranges and stream order: what a lost head.json counted, and possibly more."""
+    manifest, version, path = fmt.load_manifest(storage)
+    if version != 2:
+        raise CacheFormatError(f"{path}: a format v1 cache has no head.json")
+    spec, chunk = _v2_header(manifest, path)
+    parts = []
+    for c in itertools.count():
+        try:
+            data = fmt.read_capped_file(storage, index_chunk_name(c), chunk * RECORD.itemsize)
+        except FileNotFoundError:
+            break
+        whole = len(data) // RECORD.itemsize
+        parts.append(np.frombuffer(data[: whole * RECORD.itemsize], dtype=RECORD))
+        if whole < chunk:
+            break
+    records = np.concatenate(parts) if parts else np.zeros(0, dtype=RECORD)
+    n = len(spec["inputs"])
+    check_records(records, n, np.zeros(n, np.int64), -1, f"{storage.url}/{INDEX_DIR}")
+    return manifest, records
+
+
+def _log_lines(storage: Storage, chunk_records: int) -> int:
+    """How many whole records the commit log chunks hold (a crash may have torn the last)."""
+    count = 0
+    for c in itertools.count():
+        try:
+            data = fmt.read_capped_file(storage, log_chunk_name(c), MAX_LOG_CHUNK_BYTES)
+        except FileNotFoundError:
+            break
+        lines = min(data.count(b"\n"), chunk_records)
+        count += lines
+        if lines < chunk_records:
+            break
+    return count
+
+
+def has_log(storage: Storage) -> bool:
+    """Whether the cache keeps a commit log (an unfinished build's; a complete cache has none)."""
+    return any(_CHUNK_FILE.fullmatch(n) for n in storage.listdir(LOG_DIR))
+
+
+def head_from_log(storage: Storage) -> dict[str, Any]:
+    """The head of an unfinished build, recomputed from its commit log and index: every whole
+    log record (each was written after its block files were durable), the stream prefix they
+    make, which the index must hold. CacheFormatError if the log and the index disagree."""
+    manifest, records = stored_index(storage)
+    spec, chunk = manifest["spec"], manifest["chunk_records"]
+    count = _log_lines(storage, chunk)
+    entries, progress = replay_log(storage, spec, count, chunk)
+    per_input: list[list[dict]] = [[] for _ in spec["inputs"]]
+    for e in entries:
+        per_input[e["input"]].append(e)
+    order, complete = fmt.stream_order([len(b) for b in per_input], [p["done"] for p in progress])
+    stream = [per_input[i][k] for i, k in order]
+    if len(records) < len(stream) or records[: len(stream)].tobytes() != records_of(stream).tobytes():
+        raise CacheFormatError(f"{storage.url}/{INDEX_DIR}: holds {len(records)} block records that "
+                               f"do not match the {len(stream)} blocks the commit log makes visible; "
+                               "head.json cannot be restored. Rebuild the cache into a new directory")
+    head = _head_of(manifest["fingerprint"], records_of(stream), progress)
+    if complete:
+        return dict(head, records=0, inputs=[dict(p, done=True) for p in progress])
+    return dict(head, complete=False, records=count)
+
+
+def final_head(storage: Storage, progress: list[dict[str, Any]]) -> dict[str, Any]:
+    """The head of a complete cache (whose log is gone), from its index and each input's final
+    progress (`records`, `skipped`, `blocks`, `digest`..., as a rebuild of the input reports)."""
+    manifest, records = stored_index(storage)
+    counts = np.bincount(records["input"], minlength=len(progress))
+    for i, p in enumerate(progress):
+        if counts[i] != p["blocks"]:
+            raise CacheFormatError(f"{storage.url}/{INDEX_DIR}: holds {int(counts[i])} blocks of input "
+                                   f"{i}, which makes {p['blocks']}; head.json cannot be restored. "
+                                   "Rebuild the cache into a new directory")
+    head = _head_of(manifest["fingerprint"], records, progress)
+    return dict(head, records=0, inputs=[dict(p, done=True) for p in progress])
+
+
+def _head_of(fingerprint: str, records: np.ndarray, progress: list[dict[str, Any]]) -> dict[str, Any]:
+    skipped: dict[str, int] = {}
+    for p in progress:
+        for reason, count in p["skipped"].items():
+            skipped[reason] = skipped.get(reason, 0) + count
+    return dict(empty_head(fingerprint), blocks=len(records), complete=True,
+                num_tokens=int(records["num_tokens"].sum()),
+                num_documents=int(records["num_documents"].sum()),
+                skipped={k: v for k, v in skipped.items() if v})
+
+
 # ---------------------------------------------------------------- writing v2 (the builder)
 
 class _ChunkedFile:
@@ -584,13 +715,14 @@ def upgrade(storage: Storage) -> bool:
     is simply run again. The caller holds the cache's lock. Block files are not touched, and the
     fingerprint (so saved training states) stays the same.
     """
+    fmt.remove_dead_temp_files(storage, "", fmt.TOP_FILES)  # of an upgrade that was killed
     manifest, version, path = fmt.load_manifest(storage)
     if version == 2:
         return False
     fmt.check_manifest(manifest, path)
     _raise_order_problem(manifest, path)
     progress = [{k: p[k] for k in ("records", "skipped", "blocks") if k in p} |
-                ({"digest": p["digest"]} if p.get("digest") is not None else {})
+                {k: p[k] for k in ("digest", "stamp") if p.get(k) is not None}
                 for p in manifest["inputs"]]
     pending = sorted(manifest.get("pending", []), key=lambda e: (e["input"], e["index"]))
     entries = manifest["blocks"] + pending

@@ -29,14 +29,31 @@ __all__ = ["DataLoader"]
 _DEFAULT_PREFETCH = 4  # batches read ahead by default for a TokenDataset/PackedDataset
 
 LOADER_STATE_FORMAT = "torchcache.loader"
-LOADER_STATE_VERSION = 2
+LOADER_STATE_VERSION = 3
 _LOADER_FIELDS_V1 = ("format", "version", "algorithm", "counts", "consumed", "seed", "shuffle",
                      "num_samples", "window", "fingerprint", "world_size", "batch_size")
 #: Version 2 adds "schedule": a mixture's resume_prefix() at the saved position (else null).
-_LOADER_FIELDS = _LOADER_FIELDS_V1 + ("schedule",)
+_LOADER_FIELDS_V2 = _LOADER_FIELDS_V1 + ("schedule",)
+#: Version 3 adds "content": the dataset's content_identity (the data of its cache's committed
+#: blocks; null for a dataset without one). Older states are checked by fingerprint only.
+_LOADER_FIELDS = _LOADER_FIELDS_V2 + ("content",)
 #: Fields of a loaded state that must equal this loader's (world and batch size may change).
 _MATCHING = ("format", "version", "algorithm", "counts", "num_samples", "fingerprint", "seed",
              "shuffle", "window")
+_HINT = ("Resume with the same dataset/cache, seed, shuffle and torchcache version that wrote the "
+         "state; to train on different data, start a new run instead of loading it.")
+
+# Why an iterator stopped (its next() raises RuntimeError with this): a loader has one live
+# iterator, whose batches its state counts; any other would continue a stream nobody counts.
+_LOADED = ("this DataLoader iterator was replaced by loader.load_state_dict(): its batches would "
+           "continue the old stream; call iter(loader) again (or start a new `for batch in "
+           "loader` loop): the new iterator starts at the loaded state")
+_REPLACED = ("this DataLoader iterator was replaced by a newer iter(loader): only the newest "
+             "iterator's batches are counted in the loader's state; use the newer iterator, or "
+             "call iter(loader) again")
+_MOVED = ("this DataLoader iterator's sampler was moved (set_position, set_epoch or "
+          "sampler.load_state_dict) after it was made, so its batches would continue the old "
+          "stream; call iter(loader) again: the new iterator starts at the sampler's new position")
 
 
 class DataLoader(torch.utils.data.DataLoader):
@@ -85,14 +102,19 @@ class DataLoader(torch.utils.data.DataLoader):
     dataset given); ``loader.dataset`` is the dataset given.
 
     Resume stays exact: :meth:`state_dict` counts the batches the loop received, and prefetched
-    ones are read again after resume. A new ``iter()`` or :meth:`load_state_dict` stops the
-    previous iterator's thread and drops its batches (that iterator's ``next()`` then raises
-    RuntimeError); an abandoned iterator stops its thread when garbage-collected. An exception
+    ones are read again after resume. An abandoned iterator stops its thread when
+    garbage-collected. An exception
     in the thread is re-raised by ``next()``, with its traceback. ``pin_memory`` and ``timeout``
     apply; ``prefetch_batches`` with ``num_workers > 0`` is refused.
 
     ``prefetch_batches`` (None: 4 for the fast mode above, else 0) is the loader's own
     argument; everything else is torch's.
+
+    **One live iterator**, in every mode (in-process, worker processes, persistent workers): a
+    new ``iter()``, :meth:`load_state_dict`, or a move of the sampler (``set_position``,
+    ``sampler.load_state_dict``) stops the previous iterator (its read-ahead is dropped, its
+    workers are released unless persistent) and its ``next()`` raises RuntimeError saying to
+    call ``iter(loader)`` again, rather than continue a stream the state no longer counts.
 
     >>> ds = tc.TokenDataset("runs/quickstart/cache", seq_len=2048)  # doctest: +SKIP
     >>> sampler = tc.DistributedSampler(ds, shuffle=True, seed=0)  # doctest: +SKIP
@@ -102,6 +124,12 @@ class DataLoader(torch.utils.data.DataLoader):
     ...         torch.save({"loader": loader.state_dict()}, "ckpt.pt")
     >>> loader.load_state_dict(torch.load("ckpt.pt")["loader"])  # on restart  # doctest: +SKIP
     """
+
+    # accelerate (read by it, nothing imported): `Accelerator.prepare` returns a loader marked
+    # prepared as it is, instead of re-sharding our per-rank batches a second time, and
+    # `save_state`/`load_state` carry the state_dict of a loader marked stateful.
+    _is_accelerate_prepared = True
+    use_stateful_dataloader = True
 
     def __init__(
         self,
@@ -192,6 +220,7 @@ class DataLoader(torch.utils.data.DataLoader):
         self.prefetch_batches = prefetch_batches
         self._use_get_batch = collate_fn is None
         self._prefetcher: weakref.ref[Prefetcher | BatchReader] | None = None
+        self._live: weakref.ref[_CountingIterator] | None = None  # the iterator state counts
 
     @property
     def consumed(self) -> int:
@@ -214,6 +243,7 @@ class DataLoader(torch.utils.data.DataLoader):
             self._sampler_version = sampler.position_version
             self._consumed = sampler.position
             self._generation += 1
+            self._stop_live(_MOVED)
 
     def _position_sampler(self, position: int) -> None:
         """Move the sampler to ``position`` without taking it for a user's move."""
@@ -228,14 +258,19 @@ class DataLoader(torch.utils.data.DataLoader):
         return self._consumed, self.sampler.iteration_length(self._consumed), self._generation
 
     def __iter__(self) -> Iterator[Any]:
-        self._stop_prefetching()
+        self._stop_live(_REPLACED)
         start, count, generation = self._start()
+        live = _CountingIterator(self, self._batches(), start, count, generation)
+        self._live = weakref.ref(live)
+        return live
+
+    def _batches(self) -> Iterator[Any]:
+        """The batches of a new iterator, from the sampler's (just set) position."""
         if self._compact_loader is not None:
             # iter() here, not at the first next(): it fixes the sampler's start position now
-            compact = iter(self._compact_loader)
-            return _CountingIterator(self, self._expanded(compact), start, count, generation)
+            return self._expanded(iter(self._compact_loader))
         if not self.prefetch_batches:
-            return _CountingIterator(self, super().__iter__(), start, count, generation)
+            return super().__iter__()
         # iter(sampler) here, not in the thread: it fixes the start position before returning
         indices = iter(self.sampler)
         get_batch = self._batch_maker()
@@ -246,7 +281,7 @@ class DataLoader(torch.utils.data.DataLoader):
         else:
             prefetcher = Prefetcher(self._read_batches(indices), self.prefetch_batches, self.timeout)
         self._prefetcher = weakref.ref(prefetcher)
-        return _CountingIterator(self, prefetcher, start, count, generation)
+        return prefetcher
 
     def _batch_maker(self) -> Any:
         """``indices -> batch`` for a TokenDataset/PackedDataset read whole (pinned if asked),
@@ -289,12 +324,17 @@ class DataLoader(torch.utils.data.DataLoader):
         device = _pin_device() if self.pin_memory else None
         return _Expanding(compact_batches, self.dataset.expand_batch, device)
 
-    def _stop_prefetching(self) -> None:
-        """Stop the previous iterator's prefetch thread and drop its batches (they were not received)."""
+    def _stop_live(self, reason: str) -> None:
+        """Stop the live iterator (its ``next()`` then raises RuntimeError(``reason``)), its
+        prefetch thread and the batches it read ahead (they were not received)."""
         prefetcher = self._prefetcher() if self._prefetcher is not None else None
         if prefetcher is not None:
             prefetcher.close()
         self._prefetcher = None
+        live = self._live() if self._live is not None else None
+        if live is not None:
+            live.stop(reason)
+        self._live = None
 
     def __len__(self) -> int:
         """Batches the next ``iter()`` yields on this rank, from the consumed position.
@@ -338,6 +378,7 @@ class DataLoader(torch.utils.data.DataLoader):
             "world_size": sampler.world_size,
             "batch_size": self.batch_size,
             "schedule": schedule,
+            "content": self.dataset.content_identity if _knows_content(self.dataset) else None,
         }
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
@@ -345,13 +386,21 @@ class DataLoader(torch.utils.data.DataLoader):
 
         Refuses (ValueError) a state of another format, version, permutation algorithm, dataset
         (fingerprint or sample count), seed or shuffle, and one that identifies no dataset (null
-        fingerprint and sample count where this dataset has a fingerprint). Every field is
-        checked here, not at the next batch (TypeError/ValueError naming it): missing or unknown
-        fields, wrong types, and a ``consumed`` that is not an int in ``[0, 2**62)``, for
-        instance. World size and batch size may differ:
-        the global stream simply continues. A live iterator keeps yielding its old stream but no
-        longer counts (with ``prefetch_batches`` it is stopped: its ``next()`` raises
-        RuntimeError); the loaded state takes effect at the next ``iter()``.
+        fingerprint and sample count where this dataset has a fingerprint). A state is also
+        checked against the content of the cache(s) it was saved on (``"content"``: each cache's
+        committed blocks then and :meth:`TokenCache.content_digest` of them), so a cache of other
+        data is refused even where its fingerprint and size agree (built from another iterable,
+        or from an input edited in place); a cache that committed more blocks since (quick
+        start) is accepted. For a mixture, the sources read before the saved position are
+        checked. States saved by earlier versions (1 and 2, without ``"content"``) still load,
+        checked by fingerprint and size only. Every field is checked here, not at the next batch
+        (TypeError/ValueError naming it): missing or unknown fields, wrong types, and a
+        ``consumed`` that is not an int in ``[0, 2**62)``, for instance. World size and batch
+        size may differ: the global stream simply continues.
+
+        A live iterator is stopped (with every worker count): its ``next()`` raises
+        RuntimeError saying to call ``iter(loader)`` again, which starts at the loaded state. A
+        refused state changes nothing, and a live iterator goes on.
 
         >>> loader.load_state_dict(json.loads(Path("loader.json").read_text()))  # doctest: +SKIP
         >>> batch = next(iter(loader))  # the batch after the last one the saved run received  # doctest: +SKIP
@@ -362,39 +411,71 @@ class DataLoader(torch.utils.data.DataLoader):
                 "save and load tc.DataLoader.state_dict() instead, or load it with "
                 "sampler.load_state_dict()"
             )
-        current = self.state_dict()
-        hint = ("Resume with the same dataset/cache, seed, shuffle and torchcache version that wrote "
-                "the state; to train on different data, start a new run instead of loading it.")
-        if isinstance(state, Mapping) and state.get("version") == 1:  # saved before schedule edits
-            current["version"] = 1
-            if _edits_future(self.dataset):  # version 1 saved the whole mixture's fingerprint
-                current["fingerprint"] = self.dataset.fingerprint
-            checked = check_state(state, {k: current[k] for k in _MATCHING}, _LOADER_FIELDS_V1,
-                                  "DataLoader", hint)
-        elif _edits_future(self.dataset):
-            # a mixture: only what it read before the saved position must match
-            matching = [k for k in _MATCHING if k not in ("fingerprint", "num_samples")]
-            checked = check_state(state, {k: current[k] for k in matching}, _LOADER_FIELDS,
-                                  "DataLoader", hint)
-            saved = checked["schedule"]
-            if saved is None:
-                raise ValueError("cannot load this state into DataLoader: it was not saved from a "
-                                 "mixture (its schedule is null), this loader reads one. " + hint)
-            self.dataset.check_resume(saved, checked["consumed"])
-            if checked["fingerprint"] != self.dataset.resume_fingerprint(checked["consumed"]):
-                raise ValueError("cannot load this state into DataLoader: its fingerprint does not "
-                                 "match the schedule it describes (edited state?). " + hint)
-        else:
-            checked = check_state(state, {k: current[k] for k in _MATCHING}, _LOADER_FIELDS,
-                                  "DataLoader", hint)
-            if checked["schedule"] is not None:
-                raise ValueError("cannot load this state into DataLoader: it was saved from a "
-                                 "mixture, this loader does not read one. " + hint)
-        consumed = checked["consumed"]
-        self._stop_prefetching()
+        consumed = self._checked_state(state)["consumed"]
+        self._stop_live(_LOADED)
         self._consumed = consumed
         self._generation += 1
         self._position_sampler(consumed)
+
+    def _checked_state(self, state: Any) -> dict[str, Any]:
+        """``state``'s fields, every one checked against this loader (as its version saved them)."""
+        current = self.state_dict()
+        version = state.get("version") if isinstance(state, Mapping) else None
+        fields = _LOADER_FIELDS
+        if type(version) is int and version in (1, 2):  # saved before "content" (and "schedule")
+            current["version"] = version
+            fields = _LOADER_FIELDS_V1 if version == 1 else _LOADER_FIELDS_V2
+        mixture = _edits_future(self.dataset)
+        if version == 1:
+            if mixture:  # version 1 saved the whole mixture's fingerprint
+                current["fingerprint"] = self.dataset.fingerprint
+            return check_state(state, {k: current[k] for k in _MATCHING}, fields, "DataLoader", _HINT)
+        if mixture:  # only what it read before the saved position must match
+            matching = [k for k in _MATCHING if k not in ("fingerprint", "num_samples")]
+            checked = check_state(state, {k: current[k] for k in matching}, fields, "DataLoader",
+                                  _HINT)
+            self._check_schedule(checked)
+        else:
+            checked = check_state(state, {k: current[k] for k in _MATCHING}, fields, "DataLoader",
+                                  _HINT)
+            if checked["schedule"] is not None:
+                raise ValueError("cannot load this state into DataLoader: it was saved from a "
+                                 "mixture, this loader does not read one. " + _HINT)
+        if "content" in fields:
+            self._check_content(checked["content"], checked["consumed"])
+        return checked
+
+    def _check_schedule(self, checked: Mapping[str, Any]) -> None:
+        """ValueError unless this mixture reads what the state's did before its position."""
+        saved = checked["schedule"]
+        if saved is None:
+            raise ValueError("cannot load this state into DataLoader: it was not saved from a "
+                             "mixture (its schedule is null), this loader reads one. " + _HINT)
+        self.dataset.check_resume(saved, checked["consumed"])
+        if checked["fingerprint"] != self.dataset.resume_fingerprint(checked["consumed"]):
+            raise ValueError("cannot load this state into DataLoader: its fingerprint does not "
+                             "match the schedule it describes (edited state?). " + _HINT)
+
+    def _check_content(self, saved: Any, consumed: int) -> None:
+        """ValueError unless this dataset reads the content the state was saved on."""
+        dataset = self.dataset
+        if not _knows_content(dataset):
+            if saved is not None:
+                raise ValueError(f"cannot load this state into DataLoader: it records the content "
+                                 f"of the cache it was saved on, this dataset "
+                                 f"({type(dataset).__name__}) reads none. " + _HINT)
+            return
+        if saved is None:
+            raise ValueError("cannot load this state into DataLoader: state['content'] is null, "
+                             "but this dataset reads a cache, whose content a state records (the "
+                             "state was saved from another dataset, or edited). " + _HINT)
+        try:
+            if _edits_future(dataset):
+                dataset.check_content(saved, "state['content']", position=consumed)
+            else:
+                dataset.check_content(saved, "state['content']")
+        except ValueError as error:
+            raise ValueError(f"cannot load this state into DataLoader: {error}") from error
 
 
 def _check_loader_args(*, batch_size: Any, shuffle: Any, num_workers: Any, pin_memory: Any,
@@ -419,6 +500,12 @@ def _edits_future(dataset: Any) -> bool:
     saved position, so that its future may be edited (``resume_prefix``/``check_resume``)."""
     return all(callable(getattr(dataset, name, None))
                for name in ("resume_prefix", "resume_fingerprint", "check_resume"))
+
+
+def _knows_content(dataset: Any) -> bool:
+    """A dataset whose states record the content it reads (``content_identity``, checked by
+    ``check_content``): TokenDataset, DocumentDataset, PackedDataset, MixtureDataset."""
+    return callable(getattr(dataset, "check_content", None)) and hasattr(dataset, "content_identity")
 
 
 def _batched_dataset(dataset: Any) -> bool:
@@ -504,18 +591,35 @@ class _CountingIterator:
         self._world = loader.sampler.world_size
         self._batch = loader._samples_per_batch()
         self._received = 0  # samples of this rank returned so far
+        self._stopped: str | None = None  # why the loader stopped this iterator
+        self._done = False
+
+    def stop(self, reason: str) -> None:
+        """No more batches: ``next()`` raises RuntimeError(``reason``) (StopIteration once
+        ended). Dropping the inner iterator releases its workers (persistent ones stay with the
+        loader) and read-ahead."""
+        if self._stopped is None:
+            self._stopped = reason
+            self._inner = iter(())
 
     def __iter__(self) -> _CountingIterator:
         return self
 
     def __next__(self) -> Any:
         loader = self._loader
+        if self._done:
+            raise StopIteration
+        if self._stopped is None:
+            loader._adopt_sampler_moves()  # a sampler moved under this iterator stops it
+        if self._stopped is not None:
+            raise RuntimeError(self._stopped)
         try:
             batch = next(self._inner)
             if self._count is None and loader.sampler.growing is False:
                 # a growing cache just completed: this loader epoch's length is known from now on
                 self._count = loader.sampler.iteration_length(self._start)
         except StopIteration:
+            self._done = True
             if self._count is None:
                 self._count = loader.sampler.iteration_length(self._start)
             if self._count is not None and loader._generation == self._generation:

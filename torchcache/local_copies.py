@@ -3,9 +3,16 @@ the processes of one machine (DataLoader workers, ranks), and the byte counters 
 
 The copy directory (``local_dir/<fingerprint>``) holds::
 
-    blocks/IIIIII-KKKKKK.safetensors              a complete copy, verified by checksum
-    blocks/IIIIII-KKKKKK.safetensors.tmp-PID-rN   a reservation: a copy being downloaded, created
+    blocks/IIIIII-KKKKKK.safetensors.SHA256       a complete copy, named by the checksum it was
+                                                  verified against (so a copy of other bytes,
+                                                  e.g. of a cache rebuilt at the same URL, is
+                                                  never taken for it)
+    blocks/NAME.SHA256.tmp-PID-rN                 a reservation: a copy being downloaded, created
                                                   at its full size and locked by its writer
+    blocks/NAME.SHA256.ok-INO-SIZE-MTIME-CTIME    (empty) the copy was verified while it had this
+                                                  inode, size and times; its mtime: last use
+    blocks/NAME.SHA256.remote-ID                  (empty) the remote file's version ID (hashed)
+                                                  was downloaded whole and matched the checksum
     .copies.lock                                  the directory lock (accounting and eviction)
 
 Rules, each kept with flock (a process that dies releases what it held, so nothing is stuck):
@@ -19,6 +26,10 @@ Rules, each kept with flock (a process that dies releases what it held, so nothi
   block is in use), and unlinks only while it holds that lock. A reader that opened a copy just
   before it was unlinked sees ``st_nlink == 0`` once it has its shared lock and drops it.
 - **Crashes.** A reservation whose writer died (its flock is free) is deleted by the next scan.
+- **Trust.** A copy is used only if its ``ok-`` marker names its current inode, size and times
+  and is newer than its last change (else it is hashed again, and deleted if it does not match):
+  a copy written to after its download is never served. Markers are empty, so they cost nothing
+  against the limit.
 
 >>> copies = LocalCopies("/nvme/tc/9c1f...", limit=parse_size("200GB"))  # doctest: +SKIP
 >>> copies.usage()  # doctest: +SKIP
@@ -48,15 +59,18 @@ from typing import Any, Callable, Iterator
 
 from . import format as fmt
 from .errors import CacheFormatError
-from .storage import BLOCK_DIR, TMP_MARK, RemoteStorage
+from .storage import BLOCK_DIR, TMP_MARK, ObjectChangedError, PinnedObject, RemoteStorage
 
-__all__ = ["LocalCopies", "Reservation", "Resident", "SessionStats", "STAT_FIELDS", "fetch_verified",
-           "parse_size", "tree_bytes"]
+__all__ = ["LocalCopies", "Reservation", "Resident", "SessionStats", "STAT_FIELDS", "copy_name",
+           "discard_copy", "fetch_verified", "mark_verified", "parse_size", "pin_verified",
+           "read_pinned", "tree_bytes", "trusted_copy"]
 
 LOCK_NAME = ".copies.lock"
 # our reservations (a stale one, whose writer died, is ours to delete)
 _RESERVATION = re.compile(re.escape(TMP_MARK) + r"\d+-r\d+$")
-_BLOCK_COPY = re.compile(r"\d{6,}-\d{6,}\.safetensors$")
+# block copies, named by checksum (a plain name: a copy made by an older torchcache, never read)
+_BLOCK_COPY = re.compile(r"\d{6,}-\d{6,}\.safetensors(\.[0-9a-f]{64})?$")
+_OK, _REMOTE = ".ok-", ".remote-"
 
 # ---------------------------------------------------------------- sizes
 
@@ -122,25 +136,64 @@ def parse_size(value: Any, name: str = "cache_limit", minimum: int = 1) -> int:
 
 # ---------------------------------------------------------------- downloads
 
-def _fetch_with_retries(storage: RemoteStorage, rel: str, attempts: int, fetch: Callable[[], bytes],
+_FINAL_ERRORS = (PermissionError, FileNotFoundError, IsADirectoryError, NotADirectoryError)
+
+
+def _named(error: OSError, url: str, what: str = "") -> OSError:
+    """``error`` again, of the same type where it can be rebuilt, its message naming ``url``."""
+    message = f"{url}: {what}{error.strerror or error}"
+    if isinstance(error, PermissionError):
+        message += ("; the store refused this reader: check the credentials in storage_options "
+                    "(key and secret, profile, or the environment) and its access to the file")
+    try:
+        if error.errno is None:
+            return type(error)(message)
+        return type(error)(error.errno, message)
+    except TypeError:  # a subclass with its own constructor
+        return OSError(error.errno, message)
+
+
+def _fetch_with_retries(url: str, attempts: int, fetch: Callable[[], bytes],
                         check: Callable[[bytes], str | None], failed: str, why: str) -> bytes:
     """``fetch()`` retried on network errors and while ``check`` (which raises for a fatal
-    problem) names one, then a CacheFormatError naming the URL: "`failed` N times (...); `why`"."""
-    problem = ""
+    problem) names one. Corruption (what ``check`` finds) is a CacheFormatError naming the URL:
+    "`failed` N times (...); `why`"; an error that is not (credentials, permissions, an
+    unreachable store) keeps its type and cause and names the URL; other exceptions (bugs)
+    pass unchanged."""
+    problem, network = "", None
     for attempt in range(attempts):
         try:
             data = fetch()
         except FileNotFoundError:
-            raise CacheFormatError(f"{storage.url}/{rel}: missing from the remote cache; "
+            raise CacheFormatError(f"{url}: missing from the remote cache; "
                                    "run `torchcache verify` on it") from None
-        except Exception as e:  # network trouble: try again, then report it
-            problem = f"{type(e).__name__}: {e}"
+        except _FINAL_ERRORS as e:
+            raise _named(e, url) from e
+        except OSError as e:  # network trouble, or a file replaced while read: try again
+            problem, network = f"{type(e).__name__}: {e}", e
             time.sleep(0.2 * (attempt + 1))
             continue
-        problem = check(data) or ""
+        problem, network = check(data) or "", None
         if not problem:
             return data
-    raise CacheFormatError(f"{storage.url}/{rel}: {failed} {attempts} times ({problem}); {why}")
+    if network is not None:
+        raise _named(network, url, f"{failed} {attempts} times: ") from network
+    raise CacheFormatError(f"{url}: {failed} {attempts} times ({problem}); {why}")
+
+
+_CHANGED = ("the remote cache changed after commit (or the file is damaged on the store): it no "
+            "longer holds the bytes its index committed, and nothing of it is served; rebuild "
+            "the remote cache or restore the file, then open it again")
+
+
+def _mismatch(data: bytes, checksum: str | None, size: int | None = None) -> str | None:
+    """What is wrong with ``data`` against the committed size and checksum, or None."""
+    if size is not None and len(data) != size:
+        return f"{len(data):,} bytes, the index says {size:,}"
+    actual = "sha256:" + hashlib.sha256(data).hexdigest()
+    if checksum is not None and actual != checksum:
+        return f"checksum mismatch (got {actual[:19]}..., committed {checksum[:19]}...)"
+    return None
 
 
 def fetch_verified(storage: RemoteStorage, rel: str, checksum: str | None, attempts: int = 3,
@@ -148,41 +201,169 @@ def fetch_verified(storage: RemoteStorage, rel: str, checksum: str | None, attem
     """The whole remote file ``rel``, checked against ``checksum``; retried on network errors and
     on a mismatch, then a CacheFormatError naming the URL. With ``max_size``, at most that many
     bytes (+1) are fetched and a larger file is refused."""
+    url = f"{storage.url}/{rel}"
+
     def check(data: bytes) -> str | None:
         if max_size is not None and len(data) > max_size:
-            raise CacheFormatError(f"{storage.url}/{rel}: more than the {max_size:,} bytes its "
+            raise CacheFormatError(f"{url}: more than the {max_size:,} bytes its "
                                    "manifest entry allows: the remote file is corrupted or "
                                    "replaced; run `torchcache verify` on it")
-        actual = "sha256:" + hashlib.sha256(data).hexdigest()
-        if checksum is not None and actual != checksum:
-            return f"checksum mismatch (got {actual[:19]}..., manifest says {checksum[:19]}...)"
-        return None
+        return _mismatch(data, checksum)
 
     fetch = (lambda: storage.read(rel)) if max_size is None else (
         lambda: storage.read_range(rel, 0, max_size + 1))
-    return _fetch_with_retries(storage, rel, attempts, fetch, check, "download failed",
-                               "the remote file is corrupted or unreachable")
+    return _fetch_with_retries(url, attempts, fetch, check, "download failed", _CHANGED)
 
 
-def fetch_range(storage: RemoteStorage, rel: str, start: int, stop: int, attempts: int = 3) -> bytes:
-    """Bytes [start, stop) of remote file ``rel`` in one ranged request, retried on network
-    errors; a short answer or a missing file is a CacheFormatError naming the URL."""
+def read_pinned(pinned: PinnedObject, start: int, stop: int, attempts: int = 3) -> bytes:
+    """Bytes [start, stop) of a pinned remote file in one ranged request, retried on network
+    errors; a short answer is a CacheFormatError naming the URL, and ObjectChangedError (the
+    file is no longer the version pinned) passes to the caller."""
     def check(data: bytes) -> None:
         if len(data) != stop - start:
             raise CacheFormatError(
-                f"{storage.url}/{rel}: a read of bytes [{start}, {stop}) returned {len(data)} "
+                f"{pinned.url}: a read of bytes [{start}, {stop}) returned {len(data)} "
                 "bytes; the remote file is truncated or replaced: run `torchcache verify` on it")
 
-    return _fetch_with_retries(storage, rel, attempts, lambda: storage.read_range(rel, start, stop),
-                               check, f"ranged read of bytes [{start}, {stop}) failed",
-                               "the remote cache is unreachable")
+    def fetch() -> bytes:
+        try:
+            return pinned.read_range(start, stop)
+        except ObjectChangedError as e:  # not a network error: no retry here
+            raise _Changed(e) from e
+
+    try:
+        return _fetch_with_retries(pinned.url, attempts, fetch, check,
+                                   f"ranged read of bytes [{start}, {stop}) failed",
+                                   "the remote cache is unreachable")
+    except _Changed as e:
+        raise e.error from e.error.__cause__
+
+
+class _Changed(Exception):
+    """Carries an ObjectChangedError past the retries (which retry OSErrors)."""
+
+    def __init__(self, error: ObjectChangedError):
+        super().__init__(str(error))
+        self.error = error
+
+
+def pin_verified(storage: RemoteStorage, rel: str, checksum: str, size: int, copy_path: str,
+                 attempts: int = 3) -> tuple[PinnedObject, bytes | None]:
+    """Remote file ``rel`` pinned to a version that holds the committed bytes.
+
+    An ETag (or version) proves only that a file did not change since it was seen; so the
+    first time this machine sees a version of ``rel``, that version is downloaded whole (a
+    pinned read) and checked against ``checksum``, and an empty marker beside ``copy_path``
+    records it. Later, each process opens the file once (one metadata request), finds the
+    marker, and pins every ranged read to that version. Returns (pinned file, its bytes when
+    they were downloaded here, else None). A version that does not match is a CacheFormatError
+    naming the URL: the remote cache changed after commit.
+    """
+    url = f"{storage.url}/{rel}"
+    os.makedirs(os.path.dirname(copy_path), exist_ok=True)
+    for attempt in range(attempts):
+        pinned = _open_pinned(storage, rel)
+        marker = f"{copy_path}{_REMOTE}{hashlib.sha256(pinned.identity.encode()).hexdigest()[:32]}"
+        if os.path.exists(marker):
+            return pinned, None
+        with open(copy_path + ".lock", "a+b") as lock:  # one download per machine
+            fcntl.flock(lock.fileno(), fcntl.LOCK_EX)
+            if os.path.exists(marker):
+                return pinned, None
+            try:
+                data = read_pinned(pinned, 0, pinned.size, attempts)
+            except ObjectChangedError:  # replaced while we read it: look again
+                continue
+            except CacheFormatError:  # shorter than it said: not the committed file either
+                data = b""
+            problem = _mismatch(data, checksum, size)
+            if problem:
+                raise CacheFormatError(f"{url}: {problem}: {_CHANGED}")
+            _create_empty(marker)
+        return pinned, data
+    raise CacheFormatError(f"{url}: replaced {attempts} times while being verified; {_CHANGED}")
+
+
+def _open_pinned(storage: RemoteStorage, rel: str) -> PinnedObject:
+    url = f"{storage.url}/{rel}"
+    try:
+        return storage.open_pinned(rel)
+    except FileNotFoundError:
+        raise CacheFormatError(f"{url}: missing from the remote cache; "
+                               "run `torchcache verify` on it") from None
+    except OSError as e:
+        raise _named(e, url) from e
+
+
+# ---------------------------------------------------------------- trusted copies
+
+def copy_name(rel: str, checksum: str) -> str:
+    """Where the local copy of cache file ``rel`` with ``checksum`` lives (relative to the copy
+    directory): named by its content, so a copy of other bytes can never stand in for it."""
+    algorithm, _, digest = checksum.partition(":")
+    if algorithm != "sha256" or not re.fullmatch(r"[0-9a-f]{64}", digest):
+        raise CacheFormatError(f"{rel}: checksum {checksum!r} is malformed; the cache's index "
+                               "is corrupted: run `torchcache verify`")
+    return f"{rel}.{digest}"
+
+
+def _marker(path: str, st: os.stat_result) -> str:
+    return f"{path}{_OK}{st.st_ino}-{st.st_size}-{st.st_mtime_ns}-{st.st_ctime_ns}"
+
+
+def _create_empty(path: str) -> None:
+    os.close(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_CLOEXEC, 0o644))
+    os.utime(path)
+
+
+def mark_verified(fd: int, path: str) -> None:
+    """Record that the open copy at ``path`` holds the bytes it is named after, as it is now."""
+    _create_empty(_marker(path, os.fstat(fd)))
+
+
+def trusted_copy(fd: int, path: str, checksum: str) -> bool:
+    """Whether the open copy at ``path`` holds the bytes of ``checksum``.
+
+    O(1) when its marker names its current inode, size, mtime and ctime and was made after its
+    last change (a write changes its times; a marker made in the same clock tick as the change
+    could miss a second write in that tick, so it is not trusted); else the copy is hashed once
+    and marked again. So a copy damaged after its download is noticed at its next open.
+    """
+    st = os.fstat(fd)
+    marker = _marker(path, st)
+    try:
+        if os.stat(marker).st_mtime_ns > st.st_ctime_ns:
+            return True
+    except FileNotFoundError:
+        pass
+    if fmt.fd_checksum(fd) != checksum:
+        return False
+    _create_empty(marker)
+    return True
+
+
+def discard_copy(path: str) -> None:
+    """Delete a damaged copy and its markers (other processes that have it open keep reading
+    what they verified; new opens download it again)."""
+    with contextlib.suppress(FileNotFoundError):
+        os.unlink(path)
+    _remove_markers(path)
+
+
+def _remove_markers(path: str) -> None:
+    folder, name = os.path.split(path)
+    with contextlib.suppress(FileNotFoundError):
+        for other in os.listdir(folder):
+            if other.startswith(name + _OK):
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(os.path.join(folder, other))
 
 
 # ---------------------------------------------------------------- the counters
 
 STAT_FIELDS = ("bytes_downloaded", "whole_block_downloads", "whole_block_bytes", "ranged_reads",
                "ranged_bytes", "other_bytes", "hits", "misses", "prefetched", "evictions",
-               "evicted_bytes", "refused_copies")
+               "evicted_bytes", "refused_copies", "verified_bytes")
 _STATS_FORMAT = struct.Struct(f"<{len(STAT_FIELDS)}q")
 
 
@@ -300,6 +481,14 @@ Policy = Callable[[list[Resident]], tuple[list[tuple[Resident, float]], float | 
 EXISTS, BUSY, REFUSED = "exists", "busy", "refused"
 
 
+def _last_use(path: str, st: os.stat_result) -> float:
+    """When a copy was last used: its marker's mtime (touched at each use), else its own."""
+    try:
+        return os.stat(_marker(path, st)).st_mtime
+    except FileNotFoundError:
+        return st.st_mtime
+
+
 class Reservation:
     """Room for one copy, held as a locked file of the copy's full size; fill it with
     :meth:`commit` or give it back with :meth:`abort`."""
@@ -322,6 +511,7 @@ class Reservation:
             os.fsync(self.fd)
             with self.copies.locked():
                 os.replace(self.tmp, self.path)
+                mark_verified(self.fd, self.path)  # after the rename, which changes its ctime
         except BaseException:
             self.abort()
             raise
@@ -360,10 +550,12 @@ class LocalCopies:
             os.close(fd)
 
     # -- readers
-    def open_copy(self, rel: str, touch: bool = False) -> tuple[str, int] | None:
-        """(path, descriptor) of a complete copy, now locked shared (released when the
-        descriptor is closed), or None when there is none (or it is being evicted). ``touch``
-        sets its mtime to now (recency, for eviction without a read plan)."""
+    def open_copy(self, rel: str, checksum: str, touch: bool = False) -> tuple[str, int] | None:
+        """(path, descriptor) of a complete copy that holds the bytes of ``checksum`` (see
+        :func:`trusted_copy`), now locked shared (released when the descriptor is closed), or
+        None when there is none, it is being evicted, or it was damaged (then it is deleted, so
+        it is downloaded again). ``touch`` marks it used now (recency, for eviction without a
+        read plan: its marker's mtime, never the copy's own times)."""
         path = self.dir.path(rel)
         try:
             fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
@@ -381,14 +573,34 @@ class LocalCopies:
             if os.fstat(fd).st_nlink == 0:  # evicted between our open and our lock
                 os.close(fd)
                 return None
+            if not trusted_copy(fd, path, checksum):
+                os.close(fd)
+                self._discard(path)
+                return None
             if touch:
                 with contextlib.suppress(OSError):
-                    os.utime(fd)
+                    os.utime(_marker(path, os.fstat(fd)))
         except BaseException:
             with contextlib.suppress(OSError):
                 os.close(fd)
             raise
         return path, fd
+
+    def _discard(self, path: str) -> None:
+        """Delete a damaged copy unless a reader holds it (it is then deleted by eviction, or
+        at the next open that finds it free)."""
+        with self.locked():
+            try:
+                fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+            except FileNotFoundError:
+                return
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                discard_copy(path)
+            except BlockingIOError:
+                pass
+            finally:
+                os.close(fd)
 
     # -- accounting
     def usage(self) -> int:
@@ -416,7 +628,9 @@ class LocalCopies:
         deletes reservations whose writer died. Directory lock held."""
         used, residents, busy = 0, [], False
         blocks = os.path.join(self.root, BLOCK_DIR)
-        for size, entry in self._files():
+        files = self._files()
+        names = {entry.name for _, entry in files}
+        for size, entry in files:
             name = entry.name
             if TMP_MARK in name:
                 if _RESERVATION.search(name) and self._stale(entry.path):
@@ -424,7 +638,10 @@ class LocalCopies:
                 busy |= busy_prefix is not None and entry.path.startswith(busy_prefix)
             elif os.path.dirname(entry.path) == blocks and _BLOCK_COPY.fullmatch(name):
                 residents.append(Resident(f"{BLOCK_DIR}/{name}", entry.path, size,
-                                          entry.stat(follow_symlinks=False).st_mtime))
+                                          _last_use(entry.path, entry.stat(follow_symlinks=False))))
+            elif _OK in name and name.partition(_OK)[0] not in names:  # its copy is gone
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(entry.path)
             used += size
         return used, residents, busy
 
@@ -536,9 +753,12 @@ class LocalCopies:
                 lost += value
             if freed < need and not partial:
                 return None
-            for resident, _ in held:
+            for resident, fd in held:
+                marker = _marker(resident.path, os.fstat(fd))
                 with contextlib.suppress(FileNotFoundError):
                     os.unlink(resident.path)
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(marker)
             return [resident for resident, _ in held]
         finally:
             for _, fd in held:

@@ -70,6 +70,11 @@ def _refuse_mixed_items(signatures: Mapping[str, str]) -> None:
         "for every source, or pass allow_mixed_items=True with a collate_fn that handles both")
 
 
+def _knows_content(dataset: Any) -> bool:
+    """A source whose content a loader state records (``content_identity``/``check_content``)."""
+    return callable(getattr(dataset, "check_content", None)) and hasattr(dataset, "content_identity")
+
+
 class MixtureDataset(Dataset):
     """A weighted, shuffled mixture of map-style datasets with exact proportions per block.
 
@@ -295,6 +300,44 @@ class MixtureDataset(Dataset):
                 f"they first differ at mixture index {index} ({why}). Only what comes at or after "
                 f"the saved position ({position}) may change: edit or add stages starting at "
                 f"{-(-position // self.block_size) * self.block_size} or later")
+
+    @property
+    def content_identity(self) -> dict[str, Any]:
+        """Each source's ``content_identity`` (the sources that have one: datasets over a cache,
+        mixtures), under ``"sources"``. Loader states save it; see :meth:`check_content`.
+
+        >>> mix.content_identity["sources"]["web"]  # doctest: +SKIP
+        {'blocks': 12, 'sha256': '5d1e...'}
+        """
+        return {"sources": {name: ds.content_identity for name, ds in self.datasets.items()
+                            if _knows_content(ds)}}
+
+    def check_content(self, saved: Any, name: str = "content", position: int | None = None) -> None:
+        """ValueError (naming the source) unless every source ``saved`` (a
+        :attr:`content_identity`) describes still reads the same content. With ``position``
+        (the saved position), only the sources read before it are checked, so that sources
+        used only later may change, as :meth:`check_resume` allows.
+
+        >>> mix.check_content(state["content"], position=state["consumed"])  # doctest: +SKIP
+        """
+        well_formed = isinstance(saved, Mapping) and set(saved) == {"sources"}
+        sources = saved["sources"] if well_formed else None
+        if not isinstance(sources, Mapping):
+            raise ValueError(f"{name} must be {{'sources': {{name: content_identity}}}} (a "
+                             f"mixture's content_identity), got {saved!r}")
+        read = None if position is None else self.schedule.prefix(position)["sources"]
+        for source, content in sources.items():
+            if source not in self.datasets or (read is not None and source not in read):
+                continue  # not read before the saved position: free to change
+            ds = self.datasets[source]
+            if not _knows_content(ds):
+                raise ValueError(f"source {source!r}: the state records the content of the cache "
+                                 f"it read, this source ({type(ds).__name__}) reads no cache: the "
+                                 "state belongs to another mixture")
+            try:
+                ds.check_content(content, f"{name}['sources'][{source!r}]")
+            except ValueError as error:
+                raise ValueError(f"source {source!r}: {error}") from error
 
     def source_epochs(self, position: int) -> dict[str, float]:
         """How many times each source has been read through by mixture indices ``[0, position)``

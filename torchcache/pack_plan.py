@@ -21,12 +21,14 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import re
 import threading
 from dataclasses import asdict, dataclass
 from typing import Any, Callable, Iterable
 
 import numpy as np
 
+from . import format as fmt
 from ._procs import Child, start_child
 from .errors import CacheFormatError
 from .packing import PACKING_ALGORITHM, BlockPack, pack_block
@@ -39,6 +41,7 @@ __all__ = ["PLAN_FORMAT", "PackPlan", "PlanIdentity", "RowSegments", "default_pl
 PLAN_FORMAT = "torchcache-pack"
 PLAN_VERSION = 1
 CHUNK_MAGIC = b"TCPACK01"
+_OWN_FILE = re.compile(r"plan\.json|\d{6}\.pack")  # the files a plan directory holds
 HEADER = np.dtype([("magic", "S8"), ("first_block", "<u8"), ("blocks", "<u8"), ("rows", "<u8"),
                    ("segments", "<u8"), ("identity", "V16"), ("reserved", "<u8")])
 BLOCK_RECORD = np.dtype([("rows", "<i8"), ("segments", "<i8"), ("padding", "<i8"),
@@ -351,6 +354,7 @@ class PackPlan:
     def _write(self, path: str, chunk: _Chunk) -> None:
         storage = LocalStorage(self.dir)
         try:
+            fmt.remove_dead_temp_files(storage, "", _OWN_FILE)  # of a killed `torchcache pack`
             if not os.path.exists(os.path.join(self.dir, "plan.json")):
                 storage.write_json("plan.json", self.identity.as_json())
             storage.write(os.path.basename(path), chunk.file_bytes(self.identity.digest))

@@ -15,7 +15,7 @@ from .commit import Committer
 from .errors import BuildError, InputError
 from .executors import ShouldStop, check_cancelled
 from .records import InputSource
-from .worker import BuildJob, Event, WorkerFailed, build_input
+from .worker import BuildJob, Event, build_input, worker_failed
 
 _MAX_RETRIES = 3
 
@@ -24,7 +24,7 @@ def _build_input_task(job: BuildJob, index: int, source: InputSource, start: dic
     try:
         yield from build_input(job, index, source, start)
     except InputError as e:  # bad input is not worth retrying: report it like a local worker does
-        yield WorkerFailed(index, "input", str(e))
+        yield worker_failed(index, e)
 
 
 def run_ray(job: BuildJob, sources: list[InputSource] | None, todo: list[int],
@@ -55,13 +55,20 @@ def run_ray(job: BuildJob, sources: list[InputSource] | None, todo: list[int],
                         events.append(ray.get(next(gen)))
                     except StopIteration:
                         del running[gen]
-                    except ray.exceptions.RayError as e:
-                        raise BuildError(f"building input {sources[running[gen]].path} failed on "
-                                         f"Ray after {_MAX_RETRIES} retries: {e}; committed blocks "
-                                         "are kept and a re-run resumes") from None
+                    except ray.exceptions.RayTaskError as e:
+                        if isinstance(e.cause, Exception):  # the task's own error, as inline
+                            raise e.cause from e
+                        raise _failed(sources[running[gen]], e) from None
+                    except ray.exceptions.RayError as e:  # a worker or node lost for good
+                        raise _failed(sources[running[gen]], e) from None
             finally:
                 built += committer.commit(events)
     finally:
         for gen in running:
             ray.cancel(gen, force=True)
     return built
+
+
+def _failed(source: InputSource, error: Exception) -> BuildError:
+    return BuildError(f"building input {source.path} failed on Ray after {_MAX_RETRIES} retries: "
+                      f"{error}; committed blocks are kept and a re-run resumes")

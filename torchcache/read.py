@@ -22,6 +22,7 @@ do prefetch threads: a copy from a map holds the GIL, a pread lets the training 
 from __future__ import annotations
 
 import functools
+import hashlib
 import mmap
 import os
 import stat
@@ -37,13 +38,14 @@ from tokenizers import Tokenizer
 from . import format as fmt
 from ._args import index_array, int_arg
 from ._lru import LRUCache
-from .cache_files import (check_block_file, load_keys, load_offsets, locate_cache, offsets_max_size,
-                          pread_fully)
+from .cache_files import (check_block_file, load_keys, load_offsets, locate_cache, named_map_copy,
+                          offsets_max_size, pread_fully)
 from .errors import CacheFormatError
 from .ledger import BlockTable, CacheState, open_state, refresh_state
 from .local_copies import STAT_FIELDS, SessionStats, parse_size, tree_bytes
 from .prefetch import in_prefetch_thread
 from .remote_reads import ArrayReads, BoundedReader, ReadOrder
+from .tokenizing import cache_tokenizer
 
 __all__ = ["TokenCache"]
 
@@ -91,7 +93,7 @@ class _Block:
     """An open block file: its descriptor, where global tokens lie in it, who owns it, and its
     memory map while the pool's budget allows one (None: read with pread)."""
 
-    __slots__ = ("fd", "data_end", "base", "path", "index", "owner", "used", "map")
+    __slots__ = ("fd", "data_end", "base", "path", "index", "owner", "used", "map", "copy")
 
     def __init__(self, fd: int, data_start: int, path: str, index: int, owner: weakref.ref,
                  first_token: int, tokens: int, itemsize: int):
@@ -100,13 +102,14 @@ class _Block:
         self.base = data_start - first_token * itemsize  # global token t is at base + t * itemsize
         self.used = True  # CLOCK bit: set on every use, cleared by the eviction sweep
         self.map: mmap.mmap | None = None
+        self.copy = None  # with a map: copies out of it in a frame named after the file (SIGBUS)
 
     def read_into(self, dest: memoryview, offset: int, use_map: bool) -> None:
         """Fill ``dest`` with the block file's bytes from ``offset`` (from the map if there is
         one and ``use_map``): an error names the file."""
         m = self.map
         if m is not None and use_map:
-            dest[:] = m[offset:offset + len(dest)]
+            self.copy(dest, m, offset)
             return
         pread_fully(self.fd, dest, offset, self.path, "run `torchcache verify`")
 
@@ -200,6 +203,7 @@ class _OpenBlocks:
             block.map = mmap.mmap(block.fd, size, prot=mmap.PROT_READ)
         except (OSError, ValueError):  # no address space or descriptor, or a filesystem that
             return  # cannot map: the block is read with pread, as beyond the budget
+        block.copy = named_map_copy(block.path)
         self.mapped += size
 
     def close(self, block: _Block) -> None:
@@ -388,6 +392,22 @@ class TokenCache:
     def block_table(self) -> BlockTable:
         """The committed blocks' index records (sizes, counts, raw checksums), one per block."""
         return self._table
+
+    def content_digest(self, blocks: int | None = None) -> str:
+        """sha256 (hex) of the index records of the first ``blocks`` committed blocks (default:
+        all): their token and document counts, sizes, and the checksums of their block, offsets
+        and keys files. Caches whose first blocks hold other data differ here even where their
+        fingerprint (the build's spec) and size agree; a growing cache's digest of its first
+        ``blocks`` never changes. Loader states record it, and refuse another cache's content.
+
+        >>> state_digest = cache.content_digest(12)  # the first 12 blocks  # doctest: +SKIP
+        """
+        count = self.num_blocks if blocks is None else int_arg(blocks, "blocks", 0, self.num_blocks)
+        memo = getattr(self, "_content_memo", None)
+        if memo is None or memo[0] != count:
+            memo = (count, hashlib.sha256(self._table.records[:count].tobytes()).hexdigest())
+            self._content_memo = memo
+        return memo[1]
 
     def block_token_starts(self) -> np.ndarray:
         """Global token offset where each block starts, plus the total at the end.
@@ -631,7 +651,7 @@ class TokenCache:
             if offset + nbytes > block.data_end:  # the row runs into the next block
                 self.read(start, start + length, out=out.reshape(-1)[at // item:end // item])
             elif m is not None and use_map:  # read_into's map copy, inline: the hot path
-                flat[at:end] = m[offset:offset + nbytes]
+                block.copy(flat[at:end], m, offset)
             else:
                 block.read_into(flat[at:end], offset, False)
             at = end
@@ -727,6 +747,8 @@ class TokenCache:
         served from local copies), ``misses`` (reads that needed remote bytes; ``prefetched``
         of them were fetched ahead), ``hit_rate``, ``evictions``, ``evicted_bytes``,
         ``refused_copies`` (blocks read by range because no room was worth making),
+        ``verified_bytes`` (blocks downloaded whole once per machine before their first ranged
+        read, to check them against their committed checksums),
         ``local_bytes`` (the copy directory's size now) and ``cache_limit``. Hits and misses are
         counted only under a ``cache_limit``; a local cache reports zeros.
 
@@ -900,11 +922,7 @@ class TokenCache:
             data = fmt.read_exact(fd, 0, size, path)
         finally:
             os.close(fd)
-        try:
-            return Tokenizer.from_str(data.decode("utf-8"))
-        except Exception as e:  # tokenizers reports a bad file as a plain Exception
-            raise CacheFormatError(f"{path}: not a valid tokenizer.json ({e}); restore the "
-                                       "tokenizer the cache was built with") from e
+        return cache_tokenizer(data, self.spec["tokenizer"]["fingerprint"], path)
 
     def decode(self, ids: Any, skip_special_tokens: bool = False) -> str:
         """Text of token ``ids`` (any sequence of ints: list, array, tensor), with the cache's tokenizer.

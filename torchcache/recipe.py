@@ -136,10 +136,13 @@ class RecipePlan:
 
 
 def plan_recipe(path: str | os.PathLike, *, steps: int | None = None,
-                global_batch: int | None = None, samples: int | None = None) -> RecipePlan:
+                global_batch: int | None = None, samples: int | None = None,
+                storage_options: dict[str, Any] | None = None,
+                local_dir: str | None = None) -> RecipePlan:
     """Plan the recipe at ``path`` (arguments override the file's ``steps``, ``global_batch``,
     ``samples``). Opens each source's index, never its tokens; a ``packed`` source computes (or
     reuses) its pack plan. RecipeError (a ValueError) names the file and key of a bad entry.
+    ``storage_options`` and ``local_dir`` open remote sources, as in :class:`TokenCache`.
 
     >>> print(plan_recipe("recipe.yaml").text())  # doctest: +SKIP
     """
@@ -171,7 +174,8 @@ def plan_recipe(path: str | os.PathLike, *, steps: int | None = None,
     if not isinstance(sources_in, Mapping) or not sources_in:
         raise RecipeError(f"{path}: sources must be a mapping name -> {{path: ...}} with at least "
                           "one source")
-    sources = [_open_source(path, name, spec, default_seq) for name, spec in sources_in.items()]
+    sources = [_open_source(path, name, spec, default_seq, storage_options, local_dir)
+               for name, spec in sources_in.items()]
     shapes = {(s.kind, s.seq_len) for s in sources}
     if len(shapes) > 1:
         described = ", ".join(f"{s.name}: {s.kind}" + (f" of seq_len {s.seq_len}" if s.seq_len else "")
@@ -222,7 +226,8 @@ def plan_recipe(path: str | os.PathLike, *, steps: int | None = None,
     return plan
 
 
-def _open_source(path: str, name: str, spec: Any, default_seq: Any) -> SourcePlan:
+def _open_source(path: str, name: str, spec: Any, default_seq: Any,
+                 storage_options: dict[str, Any] | None, local_dir: str | None) -> SourcePlan:
     where = f"{path}: sources.{name}"
     if isinstance(spec, str):
         spec = {"path": spec}
@@ -237,7 +242,7 @@ def _open_source(path: str, name: str, spec: Any, default_seq: Any) -> SourcePla
     cache_path = os.path.join(os.path.dirname(os.path.abspath(path)), spec["path"]) if not (
         "://" in str(spec["path"]) or os.path.isabs(str(spec["path"]))) else str(spec["path"])
     try:
-        cache = TokenCache(cache_path)
+        cache = TokenCache(cache_path, storage_options=storage_options, local_dir=local_dir)
     except (OSError, ValueError) as e:
         raise RecipeError(f"{where}.path: cannot open the cache at {cache_path}: {e}") from None
     seq_len = spec.get("seq_len", default_seq)

@@ -30,6 +30,9 @@ class InputSource:
     kind: str  # "jsonl", "txt", "parquet" or "wds" (webdataset tar)
     compression: str | None
     size: int | None
+    # what the file system says identifies this version of the file (mtime, ETag, version),
+    # opaque; None when it says nothing (a pipe): then only the content can tell a change
+    stamp: str | None = None
 
     @property
     def process_local(self) -> bool:

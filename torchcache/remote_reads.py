@@ -34,8 +34,15 @@ Read-ahead: after each read the reader looks at its own next ``readahead`` plann
 DataLoader worker, the batches torch will send to that worker: every ``num_workers``-th batch,
 up to the end of the loader epoch, where non-persistent workers exit) and starts, on a pool of
 ``fetch_threads`` threads, the block copies the policy admits and ranged reads for the rest, so
-remote requests overlap training. Whole-block copies are verified by checksum; ranged reads
-cannot be (the manifest has one checksum per file) and are checked for length only.
+remote requests overlap training.
+
+Trust: whole-block copies are verified by checksum, named by it, and checked again when reused
+(:mod:`torchcache.local_copies`). A ranged read cannot be checked by itself (the index has one
+checksum per file), so it is pinned instead: the first time the machine sees a version (ETag) of
+a block's object, that version is downloaded whole once and checked against the committed
+checksum (:func:`~torchcache.local_copies.pin_verified`); every ranged read of the block then
+asks for exactly that version (S3: If-Match), so a block changed on the store after commit is
+a CacheFormatError naming its URL, never other bytes.
 :meth:`BoundedReader.stats` reports bytes downloaded, whole-block copies, ranged reads, hits
 (reads served by local copies), misses, and evictions, summed over the DataLoader workers of
 the session.
@@ -55,12 +62,14 @@ import numpy as np
 
 from .cache_files import CacheFiles, check_block_file, pread_fully
 from .errors import CacheFormatError
-from .local_copies import (BUSY, EXISTS, REFUSED, LocalCopies, Resident, SessionStats, fetch_range,
-                           fetch_verified)
+from .local_copies import (BUSY, EXISTS, REFUSED, LocalCopies, Resident, SessionStats, copy_name,
+                           fetch_verified, pin_verified, read_pinned)
+from .storage import ObjectChangedError, PinnedObject
 
 __all__ = ["ArrayReads", "BoundedReader", "ReadOrder", "SamplerReads"]
 
 _MAX_OPEN_COPIES = 4  # block copies a reader keeps open (and so protected from eviction)
+_MAX_PINS = 1024  # remote block objects a reader keeps pinned (one metadata request each)
 _SNAPSHOT_EVERY = 32  # reads the cursor moves (at least) before the next-use table is recomputed
 _NEVER = np.iinfo(np.int64).max
 
@@ -320,6 +329,7 @@ class BoundedReader:
         self._recent: dict[int, list[int]] = {}  # block -> [ranged bytes, read count], for LRU mode
         self._free: int | None = None  # room left at the last reservation (a hint)
         self._keys: tuple[int, np.ndarray, np.ndarray] | None = None
+        self._pins: OrderedDict[tuple[str, str], PinnedObject] = OrderedDict()
 
     def _after_fork(self) -> None:
         for fd, _, _ in self._fds.values():  # the child's duplicates; the parent keeps its locks
@@ -428,7 +438,9 @@ class BoundedReader:
         if entry is not None:
             self._fds.move_to_end(b)
             return entry
-        found = self.copies.open_copy(table.path(b), touch=self.order is None)
+        checksum = table.checksum(b)
+        found = self.copies.open_copy(copy_name(table.path(b), checksum), checksum,
+                                      touch=self.order is None)
         if found is None:
             return None
         path, fd = found
@@ -485,15 +497,17 @@ class BoundedReader:
             b += 1
         return parts
 
-    def _byte_range(self, table: Any, item: int, b: int, lo: int, hi: int) -> tuple[str, int, int]:
-        """(file, first byte, end byte) of tokens [lo, hi) of block b: a block's tokens are the
-        last ``tokens * itemsize`` bytes of its safetensors file (one tensor)."""
+    def _byte_range(self, table: Any, item: int, b: int, lo: int, hi: int
+                    ) -> tuple[tuple[str, str, int], int, int]:
+        """((file, checksum, size), first byte, end byte) of tokens [lo, hi) of block b: a
+        block's tokens are the last ``tokens * itemsize`` bytes of its safetensors file."""
         size = table.size(b)
         data_start = size - int(table.token_starts[b + 1] - table.token_starts[b]) * item
         if data_start < 8:
             raise CacheFormatError(f"{self.url}/{table.path(b)}: the manifest gives a size too "
                                    "small for its tokens (corrupted); run `torchcache verify`")
-        return table.path(b), data_start + lo * item, data_start + hi * item
+        key = (table.path(b), table.checksum(b), size)
+        return key, data_start + lo * item, data_start + hi * item
 
     def _read_remote(self, table: Any, dtype: np.dtype, rows: list[tuple[int, memoryview]],
                      length: int, snapshot: tuple | None) -> None:
@@ -594,7 +608,12 @@ class BoundedReader:
         if not len(sorted_keys):
             return np.full(len(residents), -1, dtype=np.int64)
         pos = np.minimum(np.searchsorted(sorted_keys, wanted), len(sorted_keys) - 1)
-        return np.where(sorted_keys[pos] == wanted, order[pos], -1)
+        ids = np.where(sorted_keys[pos] == wanted, order[pos], -1)
+        for i, r in enumerate(residents):  # a copy of other bytes (stale) is no block's copy
+            b = int(ids[i])
+            if b >= 0 and r.rel != copy_name(table.path(b), table.checksum(b)):
+                ids[i] = -1
+        return ids
 
     def _note_ranged(self, b: int, nbytes: int) -> None:
         if self.order is not None:
@@ -611,11 +630,12 @@ class BoundedReader:
     # ------------------------------------------------------------ fetching
     def _fetch_block(self, b: int, rel: str, size: int, checksum: str, policy) -> bool:
         """Copy block b whole if room can be made; True when a copy is there afterwards."""
-        status, reservation, used = self.copies.reserve(rel, size, policy)
+        copy = copy_name(rel, checksum)
+        status, reservation, used = self.copies.reserve(copy, size, policy)
         if status == EXISTS:
             return True
         if status == BUSY:  # another process is copying it: wait for that copy
-            return self.copies.wait_for(rel)
+            return self.copies.wait_for(copy)
         if status == REFUSED:
             with self._mu:
                 self._refused[b] = self._reads + max(1, self.lookahead // 4)
@@ -639,14 +659,52 @@ class BoundedReader:
         self.stats_counter.flush()
         return True
 
-    def _fetch_parts(self, parts: list[tuple[str, int, int]]) -> bytes:
-        """The bytes of one read, one ranged request per block it crosses."""
-        data = [fetch_range(self.remote, rel, a, z) for rel, a, z in parts]
-        got = sum(len(d) for d in data)
-        self.stats_counter.add_many({"bytes_downloaded": got, "ranged_bytes": got,
-                                     "ranged_reads": len(parts)})
+    def _fetch_parts(self, parts: list[tuple[tuple[str, str, int], int, int]]) -> bytes:
+        """The bytes of one read, one ranged request per block it crosses (pinned to a
+        verified version of the block)."""
+        data = [self._ranged(key, a, z) for key, a, z in parts]
         self.stats_counter.flush()
         return data[0] if len(data) == 1 else b"".join(data)
+
+    def _ranged(self, key: tuple[str, str, int], a: int, z: int) -> bytes:
+        """Bytes [a, z) of a block's remote file, as committed: from its verified version."""
+        rel, checksum, _ = key
+        for _ in range(2):
+            pinned, whole = self._pin(key)
+            if whole is not None:  # downloaded whole to verify it: serve the read from it
+                return whole[a:z]
+            try:
+                data = read_pinned(pinned, a, z)
+            except ObjectChangedError:  # replaced since pinned: verify the new version
+                with self._mu:
+                    self._pins.pop((rel, checksum), None)
+                continue
+            self.stats_counter.add_many({"bytes_downloaded": len(data), "ranged_bytes": len(data),
+                                         "ranged_reads": 1})
+            return data
+        raise CacheFormatError(f"{self.url}/{rel}: replaced twice while being read: the "
+                               "remote cache changed after commit; rebuild or restore it, then "
+                               "open it again")
+
+    def _pin(self, key: tuple[str, str, int]) -> tuple[PinnedObject, bytes | None]:
+        """Block ``key``'s remote file pinned to a version verified against its checksum (and
+        its bytes when verifying it downloaded them now)."""
+        rel, checksum, size = key
+        with self._mu:
+            pinned = self._pins.get((rel, checksum))
+            if pinned is not None:
+                self._pins.move_to_end((rel, checksum))
+                return pinned, None
+        copy = self.copies.dir.path(copy_name(rel, checksum))
+        pinned, whole = pin_verified(self.remote, rel, checksum, size, copy)
+        if whole is not None:
+            self.stats_counter.add_many({"bytes_downloaded": len(whole),
+                                         "verified_bytes": len(whole)})
+        with self._mu:
+            self._pins[(rel, checksum)] = pinned
+            while len(self._pins) > _MAX_PINS:
+                self._pins.popitem(last=False)
+        return pinned, whole
 
     def _pump(self, table: Any, dtype: np.dtype, snapshot: tuple | None) -> None:
         """Start fetching this process's next ``readahead`` planned reads."""
@@ -694,7 +752,7 @@ class BoundedReader:
             if b in self._fds or b in self._blocks:
                 continue
             rel = table.path(b)
-            if os.path.exists(self.copies.dir.path(rel)):
+            if os.path.exists(self.copies.dir.path(copy_name(rel, table.checksum(b)))):
                 continue
             if self._admit(table, b, snapshot):
                 copies.append((b, rel))

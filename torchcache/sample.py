@@ -182,6 +182,8 @@ class DistributedSampler(Sampler[int]):
         self.shuffle = bool_arg(shuffle, "shuffle")
         default_rank, default_world = _distributed_defaults()
         given = _replicas(num_replicas, world_size)
+        # (rank, world) taken from torch.distributed's absence: checked again at iter()
+        self._assumed_single = given is None and rank is None and default_world == 1
         self.world_size = default_world if given is None else given
         self.rank = int_arg(default_rank if rank is None else rank, "rank", 0)
         if self.rank >= self.world_size:
@@ -333,9 +335,25 @@ class DistributedSampler(Sampler[int]):
         return count
 
     def __iter__(self) -> Iterator[int]:
+        self._check_still_single()
         self._generation += 1
         self._fresh = False
         return _SamplerIterator(self, self.position, self.iteration_length(), self._generation)
+
+    def _check_still_single(self) -> None:
+        """RuntimeError if this sampler took rank 0 of 1 because torch.distributed was not
+        initialised yet, and it is now, with more processes: every rank would read the whole
+        stream (each sample world-size times per epoch)."""
+        if not self._assumed_single:
+            return
+        rank, world = _distributed_defaults()
+        if world != 1:
+            raise RuntimeError(
+                f"this DistributedSampler was made before torch.distributed was initialised, so "
+                f"it took rank 0 of 1; the process group now has {world} processes (this is rank "
+                f"{rank}), and every rank would read the whole stream. Make the sampler (and "
+                "the DataLoader) after init_process_group / Accelerator() / the trainer's "
+                "setup, or pass num_replicas= and rank= explicitly")
 
     def _index_chunks(self, start: int, count: int | None) -> Iterator[np.ndarray]:
         """The rank's indices from ``start`` (``count`` of them, or endless), as int64 arrays."""

@@ -7,6 +7,7 @@ the manifest, which is itself written in one put, last.
 
 from __future__ import annotations
 
+import errno
 import fcntl
 import hashlib
 import json
@@ -222,6 +223,10 @@ class LocalStorage(Storage):
         return _FileLock(os.path.join(self.root, ".lock"))
 
 
+#: URL schemes of object stores, whose first path component is a bucket (no folders).
+BUCKET_SCHEMES = ("s3", "s3a", "gs", "gcs", "az", "abfs", "abfss")
+
+
 class RemoteStorage(Storage):
     """A cache under an fsspec URL; `storage_options` go to the filesystem (credentials...)."""
 
@@ -265,6 +270,11 @@ class RemoteStorage(Storage):
         """Bytes [start, stop) of a file, in one ranged request (fewer if the file is shorter)."""
         return self.fs.cat_file(self._path(rel), start=start, end=stop)
 
+    def open_pinned(self, rel: str) -> "PinnedObject":
+        """File `rel` as it is now (one metadata request), every later ranged read pinned to
+        this version of it: see :class:`PinnedObject`."""
+        return PinnedObject(self, rel)
+
     def exists(self, rel: str) -> bool:
         self.fs.invalidate_cache()
         return self.fs.exists(self._path(rel))
@@ -284,13 +294,92 @@ class RemoteStorage(Storage):
             pass
 
     def makedirs(self) -> None:
-        try:
+        """Make the cache's folder; on an object store (no folders) check that its bucket
+        exists instead: fsspec's makedirs would silently create a misspelled bucket."""
+        scheme, _, path = self.url.partition("://")
+        if scheme not in BUCKET_SCHEMES:
             self.fs.makedirs(self.root, exist_ok=True)
-        except Exception:  # object stores have no directories; a bucket that is missing fails later, clearly
-            pass
+            return
+        bucket = path.partition("/")[0]
+        try:
+            self.fs.info(bucket)
+        except FileNotFoundError:
+            raise FileNotFoundError(f"{self.url}: bucket {bucket!r} does not exist; create it "
+                                    "first, or check the URL (and the store's endpoint in "
+                                    "storage_options)") from None
+        except PermissionError:  # no right to look at the bucket itself: writes may still work
+            return
 
     def lock(self) -> "Lock":
         return _LeaseLock(self)
+
+
+class ObjectChangedError(OSError):
+    """A remote file is no longer the version a reader pinned: it was replaced or rewritten."""
+
+
+# Stores whose files pin their ranged reads to the version seen at open (s3fs sends If-Match
+# with the ETag, so a read of another version fails instead of returning its bytes).
+_PINNING_PROTOCOLS = {"s3", "s3a"}
+_IDENTITY_FIELDS = ("ETag", "etag", "VersionId", "generation", "md5Hash", "version_id")
+_TIME_FIELDS = ("LastModified", "mtime", "last_modified", "updated", "created")
+
+
+def object_identity(info: dict[str, Any]) -> str:
+    """A version tag of a remote file from its fsspec ``info()``: its ETag, generation or
+    version where the store has one, else its size and modification time."""
+    found = [f"{k}={info[k]}" for k in _IDENTITY_FIELDS if info.get(k) not in (None, "")]
+    if not found:
+        found = [f"{k}={info[k]}" for k in _TIME_FIELDS if info.get(k) not in (None, "")][:1]
+    return ";".join([f"size={info.get('size')}"] + found)
+
+
+class PinnedObject:
+    """One remote file, read by range, every read checked to come from the version seen when
+    it was opened (``identity``); a read of any other version raises ObjectChangedError.
+
+    Where the store supports conditional reads (S3: If-Match on the ETag) the check is part of
+    the read itself; elsewhere the file's identity is looked up again after each read (a
+    version that was replaced and then put back between the two is the only miss).
+    Safe to share between threads: reads keep no position.
+    """
+
+    def __init__(self, storage: RemoteStorage, rel: str):
+        self.url = f"{storage.url}/{rel}"
+        self._storage, self._path = storage, storage._path(rel)
+        fs = storage.fs
+        fs.invalidate_cache(self._path)
+        protocols = fs.protocol if isinstance(fs.protocol, (tuple, list)) else (fs.protocol,)
+        self._conditional = bool(_PINNING_PROTOCOLS & set(protocols))
+        if self._conditional:  # s3fs: a file opened for reading sends If-Match on every read
+            file = fs.open(self._path, "rb", cache_type="none")
+            info, self._fetch = file.details, file.cache.fetcher  # (start, stop) -> bytes
+        else:
+            info = fs.info(self._path)
+            self._fetch = lambda start, stop: storage.read_range(rel, start, stop)
+        self.size = int(info["size"])
+        self.identity = object_identity(info)
+
+    def read_range(self, start: int, stop: int) -> bytes:
+        """Bytes [start, stop) of the pinned version (fewer where the file ends)."""
+        stop = min(stop, self.size)
+        if stop <= start:
+            return b""
+        try:
+            data = self._fetch(start, stop)
+        except OSError as e:
+            if type(e).__name__ == "FileExpired":  # s3fs: If-Match failed, another version
+                raise ObjectChangedError(e.errno, f"{self.url}: changed since it was opened "
+                                         f"(was {self.identity})") from e
+            raise
+        if not self._conditional:
+            fs = self._storage.fs
+            fs.invalidate_cache(self._path)
+            now = object_identity(fs.info(self._path))
+            if now != self.identity:
+                raise ObjectChangedError(errno.ESTALE, f"{self.url}: changed since it was opened "
+                                         f"(was {self.identity}, now {now})")
+        return data
 
 
 MANIFEST = "manifest.json"

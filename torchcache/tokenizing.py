@@ -11,6 +11,8 @@ from typing import Sequence, Union
 import numpy as np
 from tokenizers import Tokenizer
 
+from .errors import CacheFormatError
+
 TokenizerLike = Union[str, os.PathLike, Tokenizer]
 
 _EOS_CANDIDATES = ("<|endoftext|>", "</s>", "<eos>", "<|end_of_text|>", "<|eot_id|>", "[SEP]")
@@ -49,6 +51,56 @@ def canonical_json(tok: Tokenizer) -> str:
 
 def tokenizer_fingerprint(tok: Tokenizer) -> str:
     return "sha256:" + hashlib.sha256(canonical_json(tok).encode()).hexdigest()
+
+
+#: sha256 of a tokenizer.json's bytes -> its tokenizer fingerprint: a pure function, kept so that
+#: checking the same file again costs a hash of its bytes, not a parse and a canonical dump
+_FINGERPRINTS: dict[str, str] = {}
+_MAX_FINGERPRINTS = 8
+
+
+def cache_tokenizer(data: bytes, fingerprint: str, path: str) -> Tokenizer:
+    """The tokenizer a cache stores (its tokenizer.json bytes, read from `path`), refused unless
+    it is the one the cache was built with: its fingerprint must be the spec's `fingerprint`.
+
+    Another valid tokenizer would decode the cache's ids to other text without any error.
+    """
+    tok = _parse_cache_tokenizer(data, path)
+    _check_fingerprint(data, fingerprint, path, tok)
+    return tok
+
+
+def check_cache_tokenizer(data: bytes, fingerprint: str, path: str) -> None:
+    """:func:`cache_tokenizer`'s check alone (for verify): a CacheFormatError naming `path`
+    unless its bytes are the tokenizer the spec's `fingerprint` names."""
+    _check_fingerprint(data, fingerprint, path, None)
+
+
+def _parse_cache_tokenizer(data: bytes, path: str) -> Tokenizer:
+    try:
+        tok = Tokenizer.from_str(data.decode("utf-8"))
+    except Exception as e:  # the tokenizers library reports a bad file as a plain Exception
+        raise CacheFormatError(f"{path}: not a valid tokenizer.json ({e}); {_RESTORE}") from e
+    tok.no_truncation()
+    tok.no_padding()
+    return tok
+
+
+def _check_fingerprint(data: bytes, fingerprint: str, path: str, tok: Tokenizer | None) -> None:
+    digest = hashlib.sha256(data).hexdigest()
+    found = _FINGERPRINTS.get(digest)
+    if found is None:
+        found = tokenizer_fingerprint(tok if tok is not None else _parse_cache_tokenizer(data, path))
+        if len(_FINGERPRINTS) >= _MAX_FINGERPRINTS:
+            _FINGERPRINTS.clear()
+        _FINGERPRINTS[digest] = found
+    if found != fingerprint:
+        raise CacheFormatError(f"{path}: not the tokenizer the cache was built with: its fingerprint "
+                               f"is {found}, the manifest's spec says {fingerprint} (it would "
+                               f"decode the cache's token ids to other text); {_RESTORE}")
+
+
+_RESTORE = "restore the tokenizer.json the cache was built with"
 
 
 def special_token_id(tok: Tokenizer, token: int | str | None, role: str) -> int | None:

@@ -17,7 +17,8 @@ from . import format as fmt
 from .cache_files import (CacheFiles, check_block_file, load_keys, load_offsets, locate_cache,
                           max_file_sizes)
 from .errors import CacheFormatError
-from .ledger import read_manifest
+from .ledger import HEAD_NAME, INDEX_DIR, BlockTable, lost_head, read_manifest, stored_index
+from .tokenizing import check_cache_tokenizer
 
 __all__ = ["Problem", "check_cache", "verify_cache"]
 
@@ -53,6 +54,9 @@ def check_cache(path: str | os.PathLike, storage_options: dict[str, Any] | None 
     url = os.fspath(path)
     try:
         source = locate_cache(url, storage_options, local_dir)
+        lost = lost_head(source.metadata)
+        if lost is not None:
+            return _check_without_head(source, lost)
         manifest = read_manifest(source.metadata, check_order=False)
     except CacheFormatError as e:
         return [Problem(str(e), None, fmt.MANIFEST_NAME)]
@@ -61,10 +65,47 @@ def check_cache(path: str | os.PathLike, storage_options: dict[str, Any] | None 
     if order is not None:
         problems.append(Problem(f"{source.url}/{fmt.MANIFEST_NAME}: {order}; the manifest was edited "
                                 "or corrupted (restore it or rebuild the cache)", None, fmt.MANIFEST_NAME))
+    entries = manifest["blocks"] + manifest.get("pending", [])
+    problems.extend(_check_tokenizer(source, manifest["spec"], bool(entries)))
     dtype = fmt.DTYPES[manifest["spec"]["dtype"]]
-    for k, entry in enumerate(manifest["blocks"] + manifest.get("pending", [])):
+    for k, entry in enumerate(entries):
         problems.extend(_check_entry(source, k, entry, dtype))
     return problems
+
+
+def _check_without_head(source: CacheFiles, lost: str) -> list[Problem]:
+    """A cache whose head.json is lost: that, and the files of every block its index holds."""
+    problems = [Problem(lost, None, HEAD_NAME)]
+    try:
+        manifest, records = stored_index(source.metadata)
+    except CacheFormatError as e:
+        return problems + [Problem(str(e), None, INDEX_DIR)]
+    table = BlockTable(records)
+    problems.extend(_check_tokenizer(source, manifest["spec"], len(table) > 0))
+    dtype = fmt.DTYPES[manifest["spec"]["dtype"]]
+    for b in range(len(table)):
+        problems.extend(_check_entry(source, b, table.entry(b), dtype))
+    return problems
+
+
+def _check_tokenizer(source: CacheFiles, spec: dict[str, Any], committed: bool) -> list[Problem]:
+    """tokenizer.json must be the tokenizer the spec names (by fingerprint); it may be missing
+    only before the first block is committed (the builder writes it before any block)."""
+    if spec["tokenizer"] is None:
+        return []
+    rel, expected = fmt.TOKENIZER_NAME, spec["tokenizer"]["fingerprint"]
+    where = f"{source.url}/{rel}"
+    try:
+        check_cache_tokenizer(fmt.read_capped_file(source.metadata, rel, fmt.MAX_TOKENIZER_BYTES),
+                              expected, where)
+    except FileNotFoundError:
+        if not committed:
+            return []
+        return [Problem(f"{where}: missing; restore the tokenizer.json the cache was built with "
+                        f"(fingerprint {expected})", None, rel)]
+    except CacheFormatError as e:
+        return [Problem(str(e), None, rel)]
+    return []
 
 
 def _check_entry(source: CacheFiles, k: int, entry: dict[str, Any], dtype: np.dtype) -> list[Problem]:

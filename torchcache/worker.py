@@ -7,13 +7,15 @@ block becomes visible. It never touches the manifest.
 
 from __future__ import annotations
 
+import pickle
+import traceback
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable, Iterator, Union
 
 import numpy as np
 
 from . import format as fmt
-from .errors import InputError
+from .errors import BuildError, InputError
 from .inputs import iter_records, iter_strings
 from .records import BadRecord, InputSource, Record, raise_or_count
 from .storage import Storage
@@ -72,11 +74,55 @@ class InputDone:
 @dataclass(frozen=True)
 class WorkerFailed:
     """Building the input failed. `kind`: "input" (a bad record: an InputError), "os" (an I/O
-    error, one line) or "crash" (a bug, with its traceback)."""
+    error, one line) or "crash" (a bug, with its traceback). `error` is the exception itself
+    and `cause` its cause, when they survive pickling, so that the coordinator raises the same
+    exception an inline build would (None: only `message` made it)."""
 
     input: int
     kind: str
     message: str
+    error: BaseException | None = None
+    cause: BaseException | None = None
+
+
+class WorkerTraceback(Exception):
+    """Where a worker process raised: the traceback, as text, chained under the error."""
+
+
+def worker_failed(index: int, error: Exception) -> WorkerFailed:
+    """The event that reports `error`, raised while building input `index` in a worker."""
+    cause: BaseException | None = error.__cause__
+    if isinstance(error, InputError):
+        kind, message = "input", str(error)
+    elif isinstance(error, OSError):  # a full disk, a lost connection...: one line, no traceback
+        kind, message = "os", f"{type(error).__name__}: {error}"
+    else:  # a bug: reported with its traceback
+        cause = WorkerTraceback(traceback.format_exc())
+        kind, message = "crash", f"{type(error).__name__}: {error}\n{cause}"
+    return WorkerFailed(index, kind, message, _portable(error), _portable(cause))
+
+
+def _portable(error: BaseException | None) -> BaseException | None:
+    """`error` if it comes back from pickling as the same type with the same message, else None
+    (some libraries' exceptions cannot be rebuilt from their pickle; their message still is)."""
+    if error is None:
+        return None
+    try:
+        again = pickle.loads(pickle.dumps(error))
+    except Exception:  # noqa: BLE001 - any failure to round-trip: the message stands in for it
+        return None
+    return again if type(again) is type(error) and str(again) == str(error) else None
+
+
+def raise_failure(event: WorkerFailed, input_path: str) -> None:
+    """Raise what the worker raised (its own type and message, chained to its cause), as an
+    inline build would have; an error that could not travel becomes an InputError or a
+    BuildError carrying its message."""
+    if event.error is not None:
+        raise event.error from event.cause
+    if event.kind == "input":
+        raise InputError(event.message)
+    raise BuildError(f"building input {input_path} failed: {event.message}")
 
 
 Event = Union[BlockWritten, Progress, InputDone, WorkerFailed]
@@ -96,7 +142,8 @@ def build_input(job: BuildJob, index: int, source: InputSource | Iterable[str],
         stream = iter_records(source, job.text_key, records, job.on_error, job.storage_options,
                               tokens=job.tokenizer_json is None, start_digest=digest)
     else:
-        stream = iter_strings(source, records, job.on_error, start_digest=digest)
+        stream = iter_strings(source, records, job.on_error, start_digest=digest,
+                              output=job.output.url)
     docs: list[np.ndarray] = []
     keys: list[str | None] = []
     doc_tokens = 0
@@ -128,7 +175,10 @@ def build_input(job: BuildJob, index: int, source: InputSource | Iterable[str],
     if docs:
         yield flush()
     end = (batches.last_number, batches.last_digest) if batches.last_number > records else (records, digest)
-    yield InputDone(index, {"records": end[0], "skipped": skipped, "blocks": block_no, "digest": end[1]})
+    done = {"records": end[0], "skipped": skipped, "blocks": block_no, "digest": end[1]}
+    if isinstance(source, InputSource) and source.stamp is not None:  # the version it read
+        done["stamp"] = source.stamp
+    yield InputDone(index, done)
 
 
 def _document_encoder(job: BuildJob) -> Callable[[list[Record]], list[np.ndarray]]:
