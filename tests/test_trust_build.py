@@ -250,14 +250,23 @@ def test_on_ray_a_bad_record_and_an_unreadable_input_keep_their_types(tmp_path, 
 # ---------------------------------------------------------------- item 11: a deleted pending block
 
 def test_a_resume_rewrites_a_finished_block_deleted_after_a_kill(tmp_path, books, gpt2_tokenizer_path):
-    """Input 0 starts late (its command sleeps), so input 1's first block is finished and logged
-    but waits, invisible, for input 0's: the build is killed then, and that file deleted."""
+    """Input 0 gives nothing until the test says so, so input 1's first block is finished and
+    logged but waits, invisible, for input 0's: the build is killed then, and that file deleted."""
+    import psutil
     docs = paragraphs(books)
     late = write_jsonl(tmp_path / "late.jsonl", docs[:400])
     other = write_jsonl(tmp_path / "other.jsonl", docs[400:800])
-    inputs = [f"pipe:sleep 3; cat {late}", other]
+    go = tmp_path / "go"
+    inputs = [f"pipe:while [ ! -e {go} ]; do sleep 0.05; done; cat {late}", other]
     out = tmp_path / "c"
     assert build_killed_at_commit(inputs, out, gpt2_tokenizer_path, 2, workers=2) == -signal.SIGKILL
+    # the killed build's orphaned worker still waits on input 0: end its command, so that it
+    # never writes into the cache the resumed build works on
+    waiting = [p for p in psutil.process_iter(["cmdline"]) if str(go) in " ".join(p.info["cmdline"] or [])]
+    for process in waiting:
+        process.kill()
+    psutil.wait_procs(waiting)
+    go.touch()
     kept = read_manifest(str(out))
     assert kept["pending"], "the test needs a finished block that is not committed yet"
     waiting = kept["pending"][0]

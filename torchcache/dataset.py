@@ -45,6 +45,12 @@ def _content_fields(saved: Any, name: str) -> tuple[int, str]:
     return blocks, digest
 
 
+def knows_content(dataset: Any) -> bool:
+    """A dataset whose loader states record the content it reads (``content_identity``, checked
+    by ``check_content``): TokenDataset, DocumentDataset, PackedDataset, MixtureDataset."""
+    return callable(getattr(dataset, "check_content", None)) and hasattr(dataset, "content_identity")
+
+
 _WINDOWS = "__torchcache_windows__"  # the key of the token windows in a compact batch
 _Allocate = Callable[[tuple[int, int]], torch.Tensor]  # makes an int64 tensor of a shape
 

@@ -19,7 +19,7 @@ from torch.utils.data._utils.pin_memory import pin_memory as _pin_memory
 from ._args import bool_arg, int_arg, number_arg, optional_int_arg
 from ._permutation import PERMUTATION_ALGORITHM
 from ._state import check_state
-from .dataset import TokenDataset
+from .dataset import TokenDataset, knows_content
 from .packed import PackedDataset
 from .prefetch import BatchReader, Prefetcher, batch_indices
 from .sample import DistributedSampler, dataset_length
@@ -378,7 +378,7 @@ class DataLoader(torch.utils.data.DataLoader):
             "world_size": sampler.world_size,
             "batch_size": self.batch_size,
             "schedule": schedule,
-            "content": self.dataset.content_identity if _knows_content(self.dataset) else None,
+            "content": self.dataset.content_identity if knows_content(self.dataset) else None,
         }
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
@@ -459,7 +459,7 @@ class DataLoader(torch.utils.data.DataLoader):
     def _check_content(self, saved: Any, consumed: int) -> None:
         """ValueError unless this dataset reads the content the state was saved on."""
         dataset = self.dataset
-        if not _knows_content(dataset):
+        if not knows_content(dataset):
             if saved is not None:
                 raise ValueError(f"cannot load this state into DataLoader: it records the content "
                                  f"of the cache it was saved on, this dataset "
@@ -500,12 +500,6 @@ def _edits_future(dataset: Any) -> bool:
     saved position, so that its future may be edited (``resume_prefix``/``check_resume``)."""
     return all(callable(getattr(dataset, name, None))
                for name in ("resume_prefix", "resume_fingerprint", "check_resume"))
-
-
-def _knows_content(dataset: Any) -> bool:
-    """A dataset whose states record the content it reads (``content_identity``, checked by
-    ``check_content``): TokenDataset, DocumentDataset, PackedDataset, MixtureDataset."""
-    return callable(getattr(dataset, "check_content", None)) and hasattr(dataset, "content_identity")
 
 
 def _batched_dataset(dataset: Any) -> bool:

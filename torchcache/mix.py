@@ -19,6 +19,7 @@ from torch.utils.data import Dataset
 
 from ._args import POSITION_LIMIT, bool_arg, int_arg, optional_int_arg
 from ._permutation import PERMUTATION_ALGORITHM
+from .dataset import knows_content
 from .schedule import MIXTURE_ALGORITHM, MixtureSchedule, group_by, prefix_difference
 
 __all__ = ["MixtureDataset", "MIXTURE_ALGORITHM"]
@@ -68,11 +69,6 @@ def _refuse_mixed_items(signatures: Mapping[str, str]) -> None:
         f"{signatures[b]}): torch's default collate cannot batch them, so the first mixed batch "
         "would fail. Use the same dataset class, seq_len, document_boundaries and max_segments "
         "for every source, or pass allow_mixed_items=True with a collate_fn that handles both")
-
-
-def _knows_content(dataset: Any) -> bool:
-    """A source whose content a loader state records (``content_identity``/``check_content``)."""
-    return callable(getattr(dataset, "check_content", None)) and hasattr(dataset, "content_identity")
 
 
 class MixtureDataset(Dataset):
@@ -310,7 +306,7 @@ class MixtureDataset(Dataset):
         {'blocks': 12, 'sha256': '5d1e...'}
         """
         return {"sources": {name: ds.content_identity for name, ds in self.datasets.items()
-                            if _knows_content(ds)}}
+                            if knows_content(ds)}}
 
     def check_content(self, saved: Any, name: str = "content", position: int | None = None) -> None:
         """ValueError (naming the source) unless every source ``saved`` (a
@@ -330,7 +326,7 @@ class MixtureDataset(Dataset):
             if source not in self.datasets or (read is not None and source not in read):
                 continue  # not read before the saved position: free to change
             ds = self.datasets[source]
-            if not _knows_content(ds):
+            if not knows_content(ds):
                 raise ValueError(f"source {source!r}: the state records the content of the cache "
                                  f"it read, this source ({type(ds).__name__}) reads no cache: the "
                                  "state belongs to another mixture")
