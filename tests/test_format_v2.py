@@ -20,17 +20,27 @@ import pytest
 
 import torchcache as tc
 import torchcache.ledger as ledger
-from conftest import as_format_v1, build_killed_at_commit, tree_bytes
+from conftest import as_format_v1, build_killed_at_commit, paragraphs, tree_bytes, write_jsonl
 from torchcache.storage import LocalStorage
 
 BLOCK = 2_000
 CHUNK = 3
 
 
-@pytest.fixture(autouse=True)
-def small_chunks(monkeypatch):
-    monkeypatch.setenv("TORCHCACHE_TEST_CHUNK_RECORDS", str(CHUNK))  # builds in child processes
-    monkeypatch.setattr(ledger, "CHUNK_RECORDS", CHUNK)  # and in this one
+@pytest.fixture(autouse=True, scope="module")
+def small_chunks():
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("TORCHCACHE_TEST_CHUNK_RECORDS", str(CHUNK))  # builds in child processes
+        patch.setattr(ledger, "CHUNK_RECORDS", CHUNK)  # and in this one
+        yield
+
+
+@pytest.fixture(scope="module")
+def shards(tmp_path_factory, books) -> list[str]:
+    """The module's inputs (conftest's three shards), written once: every build here reads them."""
+    docs = paragraphs(books)
+    d = tmp_path_factory.mktemp("in")
+    return [write_jsonl(d / f"part-{i}.jsonl", docs[i::3]) for i in range(3)]
 
 
 def _build(shards, out, tokenizer, **options):
@@ -38,9 +48,11 @@ def _build(shards, out, tokenizer, **options):
     return tc.build_cache(shards, out, tokenizer, **options)
 
 
-@pytest.fixture()
-def built(tmp_path, shards, gpt2_tokenizer_path):
-    result = _build(shards, tmp_path / "c", gpt2_tokenizer_path, num_workers=2)
+@pytest.fixture(scope="module")
+def built(tmp_path_factory, shards, gpt2_tokenizer_path):
+    """The complete v2 cache of `shards` (tests copy it before changing anything)."""
+    result = _build(shards, tmp_path_factory.mktemp("built") / "c", gpt2_tokenizer_path,
+                    num_workers=2)
     return Path(result.path)
 
 
@@ -67,10 +79,10 @@ def test_a_v2_cache_keeps_its_blocks_in_a_chunked_binary_index(built):
     assert tc.verify_cache(built) == []
 
 
-def test_the_same_build_is_byte_identical_with_any_worker_count(tmp_path, shards, gpt2_tokenizer_path):
+def test_the_same_build_is_byte_identical_with_any_worker_count(tmp_path, shards, gpt2_tokenizer_path,
+                                                                built):
     one = _build(shards, tmp_path / "one", gpt2_tokenizer_path, num_workers=1)
-    two = _build(shards, tmp_path / "two", gpt2_tokenizer_path, num_workers=2)
-    assert tree_bytes(one.path) == tree_bytes(two.path)
+    assert tree_bytes(one.path) == tree_bytes(str(built))  # built by 2 workers
 
 
 def test_a_complete_v2_cache_reads_the_same_as_its_v1_form(built, tmp_path):
@@ -136,8 +148,8 @@ def test_an_interrupted_upgrade_leaves_a_readable_v1_cache_and_can_be_rerun(buil
 
 @pytest.mark.slow
 def test_resuming_an_interrupted_v1_build_upgrades_it_and_ends_identical(tmp_path, shards,
-                                                                         gpt2_tokenizer_path):
-    reference = _build(shards, tmp_path / "ref", gpt2_tokenizer_path, num_workers=1)
+                                                                         gpt2_tokenizer_path, built):
+    reference = tc.TokenCache(built)  # the same bytes as a 1-worker build
     out = tmp_path / "old"
     assert build_killed_at_commit(shards, out, gpt2_tokenizer_path, 6, block_tokens=BLOCK) == -9
     as_format_v1(out)  # as if an older torchcache had been killed there
@@ -145,15 +157,15 @@ def test_resuming_an_interrupted_v1_build_upgrades_it_and_ends_identical(tmp_pat
     assert partial["version"] == 1 and not partial["complete"] and partial["blocks"]
     result = _build(shards, out, gpt2_tokenizer_path, num_workers=2)
     assert 0 < result.tokens_built < reference.num_tokens  # resumed, not rebuilt
-    assert tree_bytes(str(out)) == tree_bytes(reference.path)
+    assert tree_bytes(str(out)) == tree_bytes(str(built))
 
 
 # ---------------------------------------------------------------- crashes and growing caches
 
 @pytest.mark.slow
 def test_kill_9_at_commits_across_chunk_boundaries_then_resume_is_byte_identical(
-        tmp_path, shards, gpt2_tokenizer_path):
-    reference = _build(shards, tmp_path / "ref", gpt2_tokenizer_path, num_workers=1)
+        tmp_path, shards, gpt2_tokenizer_path, built):
+    reference = tc.TokenCache(built)  # the same bytes as a 1-worker build
     out = tmp_path / "killed"
     seen = 0
     for commits in (4, 5, 4):  # each run resumes the previous one (inline: deterministic commits)
@@ -165,18 +177,18 @@ def test_kill_9_at_commits_across_chunk_boundaries_then_resume_is_byte_identical
         assert finished > seen
         seen = finished
         cache = tc.TokenCache(out)
-        assert np.array_equal(cache.read(0, cache.num_tokens), _tokens(reference.path)[: cache.num_tokens])
+        assert np.array_equal(cache.read(0, cache.num_tokens), _tokens(str(built))[: cache.num_tokens])
     _build(shards, out, gpt2_tokenizer_path, num_workers=2)
-    assert tree_bytes(str(out)) == tree_bytes(reference.path)
+    assert tree_bytes(str(out)) == tree_bytes(str(built))
 
 
 @pytest.mark.slow
 def test_a_reader_follows_a_growing_cache_reading_only_new_commits(tmp_path, shards,
-                                                                   gpt2_tokenizer_path):
+                                                                   gpt2_tokenizer_path, built):
     """Once a reader has the first index chunks, refresh() never reads them again: it works with
     them removed. (They are put back before the build resumes, which reads its whole record.)"""
-    reference = _build(shards, tmp_path / "ref", gpt2_tokenizer_path, num_workers=1)
-    full = _tokens(reference.path)
+    reference = tc.TokenCache(built)  # the same bytes as a 1-worker build
+    full = _tokens(str(built))
     out = tmp_path / "growing"
     # inline builds commit one event at a time: the same commits, in the same order, every run
     assert build_killed_at_commit(shards, out, gpt2_tokenizer_path, 8, block_tokens=BLOCK) == -9
@@ -199,9 +211,9 @@ def test_a_reader_follows_a_growing_cache_reading_only_new_commits(tmp_path, sha
         assert np.array_equal(cache.read(0, cache.num_tokens), full[: cache.num_tokens])
         assert code == -signal.SIGKILL or cache.complete  # (a kill can follow the last commit)
     assert len(sizes) >= 3 and sizes == sorted(sizes) and 0 < sizes[0]
-    assert sizes[-1] == tc.TokenCache(reference.path).num_blocks > 3 * CHUNK
+    assert sizes[-1] == tc.TokenCache(str(built)).num_blocks > 3 * CHUNK
     assert hidden > 0, "refresh() was never tested without the chunks it had read"
-    assert tree_bytes(str(out)) == tree_bytes(reference.path)
+    assert tree_bytes(str(out)) == tree_bytes(str(built))
 
 
 # ---------------------------------------------------------------- damaged v2 files

@@ -273,3 +273,38 @@ def test_build_cache_into_a_missing_bucket_is_refused_not_created(tmp_path, s3, 
         tc.build_cache([docs], "s3://nobucket/cache", gpt2_tokenizer_path, storage_options=s3,
                        progress=False)
     assert not s3fs.S3FileSystem(**s3).exists("nobucket")
+
+
+# ---------------------------------------------------------------- items 4 and 5 on a store
+
+@pytest.mark.s3
+@pytest.mark.parametrize("mode", MODES)
+def test_a_remote_cache_without_head_json_is_damage_not_an_empty_cache(tmp_path, built, s3, mode):
+    import s3fs
+    a, _ = built
+    url = upload(s3, a, f"no-head-{mode}")
+    s3fs.S3FileSystem(**s3).rm_file(url[len("s3://"):] + "/head.json")
+    with pytest.raises(tc.CacheFormatError, match=rf"{url}/head\.json: missing.*verify --repair"):
+        tc.TokenCache(url, storage_options=s3, local_dir=str(tmp_path / "copies"),
+                      cache_limit=MODES[mode])
+    problems = tc.check_cache(url, storage_options=s3, local_dir=str(tmp_path / "copies"))
+    assert [p.file for p in problems] == ["head.json"]
+
+
+@pytest.mark.s3
+@pytest.mark.parametrize("mode", MODES)
+def test_a_swapped_tokenizer_on_the_store_is_refused(tmp_path, built, s3, mode):
+    import s3fs
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    a, _ = built
+    url = upload(s3, a, f"swapped-tokenizer-{mode}")
+    other = Tokenizer(models.WordLevel({f"w{i}": i for i in range(60_000)} | {"[UNK]": 60_000},
+                                       unk_token="[UNK]"))
+    other.pre_tokenizer = pre_tokenizers.Whitespace()
+    s3fs.S3FileSystem(**s3).pipe_file(url[len("s3://"):] + "/tokenizer.json", other.to_str().encode())
+    cache = tc.TokenCache(url, storage_options=s3, local_dir=str(tmp_path / "copies"),
+                          cache_limit=MODES[mode])
+    with pytest.raises(tc.CacheFormatError, match="tokenizer.json: .*not the tokenizer the cache was built with"):
+        cache.decode(cache.document(0))
+    problems = tc.check_cache(url, storage_options=s3, local_dir=str(tmp_path / "copies"))
+    assert [p.file for p in problems] == ["tokenizer.json"]
