@@ -125,6 +125,7 @@ def test_a_finished_cache_without_head_json_is_refused_and_repair_restores_it(bu
     cli = run_cli("verify", built)
     assert cli.returncode == 1 and "all checksums match" not in cli.stdout
     assert f"BAD {built}/head.json: missing" in cli.stderr
+    assert f"`torchcache verify --repair {built}` restores head.json" in cli.stderr
 
     result = tc.repair_cache(built)
     assert result.repaired == ["head.json"]
@@ -191,7 +192,10 @@ def test_a_swapped_tokenizer_is_reported_by_verify_and_refused_for_decoding(buil
     show = run_cli("show", built, "-d", 3)
     assert show.returncode == 2 and show.stdout == ""
     assert "tokenizer.json" in show.stderr and expected in show.stderr
-    assert run_cli("verify", built).returncode == 1
+    verify = run_cli("verify", built)
+    assert verify.returncode == 1
+    assert "rebuilds the damaged blocks" not in verify.stderr  # repair cannot make a tokenizer
+    assert "`torchcache verify --repair` cannot fix this" in verify.stderr
     with pytest.raises(BuildError, match="tokenizer.json"):
         tc.repair_cache(built)
 

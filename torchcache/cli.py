@@ -40,7 +40,7 @@ from .read import TokenCache
 from .recipe import load_recipe, plan_recipe
 from .repair import repair_cache
 from .storage import BUCKET_SCHEMES, is_remote, open_storage
-from .verify import verify_cache
+from .verify import Problem, check_cache, verify_cache
 
 
 def _build(args: argparse.Namespace) -> int:
@@ -345,15 +345,27 @@ def _upgrade(args: argparse.Namespace) -> int:
     return 0
 
 
+def _repair_hint(problems: list[Problem], cache: str) -> str:
+    """What `verify --repair` would do about `problems`, or that it cannot help with them."""
+    actions = []
+    if any(p.entry is not None for p in problems):
+        actions.append("rebuilds the damaged blocks from the inputs")
+    if any(p.file == HEAD_NAME for p in problems):
+        actions.append("restores head.json")
+    if not actions:
+        return "`torchcache verify --repair` cannot fix this: each message says what to do"
+    return f"`torchcache verify --repair {cache}` " + " and ".join(actions)
+
+
 def _verify(args: argparse.Namespace) -> int:
     if args.repair:
         return _repair(args)
-    problems = verify_cache(args.cache, args.storage_options, args.local_dir)
+    problems = check_cache(args.cache, args.storage_options, args.local_dir)
     for p in problems:
-        print(f"BAD {p}", file=sys.stderr)
+        print(f"BAD {p.message}", file=sys.stderr)
     if problems:
-        print(f"{_plural(len(problems), 'bad file')} in {args.cache}; `torchcache verify --repair "
-              f"{args.cache}` rebuilds the damaged blocks from the inputs", file=sys.stderr)
+        print(f"{_plural(len(problems), 'bad file')} in {args.cache}; {_repair_hint(problems, args.cache)}",
+              file=sys.stderr)
         return 1
     print(f"{args.cache}: all checksums match")
     if is_remote(args.cache):
