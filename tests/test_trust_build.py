@@ -14,6 +14,7 @@ import pytest
 from conftest import build_killed_at_commit, moto_s3, paragraphs, tree_bytes, write_jsonl
 
 import torchcache as tc
+import torchcache.engine as engine
 from torchcache.errors import InputChangedError, InputError
 from torchcache.ledger import read_manifest
 
@@ -141,7 +142,10 @@ def test_an_input_edited_in_place_keeping_its_size_is_refused(tmp_path, shards, 
     assert tree_bytes(str(out)) == before
 
 
-def test_a_touched_but_unchanged_input_is_still_a_no_op(tmp_path, shards, gpt2_tokenizer_path):
+def test_a_touched_but_unchanged_input_is_still_a_no_op(tmp_path, shards, gpt2_tokenizer_path,
+                                                         monkeypatch):
+    """The inputs are read again once (not tokenized), their new stamps recorded in head.json,
+    and the re-run after that is cheap again: no input is read."""
     out = tmp_path / "c"
     _build(shards, out, gpt2_tokenizer_path)
     before = tree_bytes(str(out))
@@ -149,7 +153,19 @@ def test_a_touched_but_unchanged_input_is_still_a_no_op(tmp_path, shards, gpt2_t
         Path(path).write_bytes(Path(path).read_bytes())  # new mtime, same content
     result = _build(shards, out, gpt2_tokenizer_path)
     assert result.already_complete and result.tokens_built == 0
-    assert tree_bytes(str(out)) == before
+    after = tree_bytes(str(out))
+    assert {k: v for k, v in after.items() if k != "head.json"} == \
+        {k: v for k, v in before.items() if k != "head.json"}
+    heads = [json.loads(tree["head.json"]) for tree in (before, after)]
+    stamps = [[i.pop("stamp") for i in head["inputs"]] for head in heads]
+    assert heads[0] == heads[1] and all(a != b for a, b in zip(*stamps))
+
+    def no_reading(*args, **kwargs):
+        raise AssertionError("an input whose stamp is recorded was read again")
+
+    monkeypatch.setattr(engine, "content_identity", no_reading)
+    again = _build(shards, out, gpt2_tokenizer_path)
+    assert again.already_complete and tree_bytes(str(out)) == after
 
 
 def test_an_input_finished_before_a_kill_and_edited_before_the_resume_is_refused(

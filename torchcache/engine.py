@@ -22,7 +22,7 @@ from .commit import (Committer, ManifestState, acquire_lock, block_starts, damag
 from .errors import BuildError, InputChangedError
 from .executors import run_inline, run_pool
 from .inputs import content_identity, iter_records, iter_strings, resolve_inputs
-from .ledger import write_header
+from .ledger import record_stamps, write_header
 from .ray_executor import run_ray
 from .records import ITERABLE_PATH, InputSource
 from .storage import LocalStorage, Storage, open_storage
@@ -133,6 +133,8 @@ def run_build(inputs: Any, output: str | os.PathLike, tokenizer: TokenizerLike |
                 restamped = _check_finished_inputs(storage, existing, sources, job)
                 _rewrite_pending(storage, existing, sources, job)
         if existing is not None and existing["complete"]:
+            if restamped and existing["version"] == 2:  # checked unchanged: cheap next time
+                record_stamps(storage, existing["fingerprint"], restamped)
             if tok is not None and not storage.exists(fmt.TOKENIZER_NAME):
                 storage.write(fmt.TOKENIZER_NAME, [tok.to_str().encode()])
             return _result(storage, _summary(existing), started, 0, allow_empty,

@@ -689,6 +689,18 @@ class LedgerWriter:
         delete_log(self.storage)
 
 
+def record_stamps(storage: Storage, fingerprint: str, stamps: dict[int, str]) -> None:
+    """Record new `stamps` (input -> stamp) in a complete cache's head.json: those inputs were
+    read again and found unchanged, so that the next re-run's no-op check is cheap again. Only
+    head.json changes (one atomic replace); nothing a reader uses moves."""
+    head = read_head(storage, fingerprint)
+    if not head["complete"] or "inputs" not in head:
+        raise ValueError(f"{storage.url}: only a complete cache's inputs have recorded stamps")
+    for i, stamp in stamps.items():
+        head["inputs"][i]["stamp"] = stamp
+    storage.write_json(HEAD_NAME, head)
+
+
 def delete_log(storage: Storage) -> None:
     """Delete the commit log's chunk files (a complete cache does not need them)."""
     for name in storage.listdir(LOG_DIR):
