@@ -39,7 +39,7 @@ from .packing import LONG_DOCS
 from .read import TokenCache
 from .recipe import load_recipe, plan_recipe
 from .repair import repair_cache
-from .storage import BUCKET_SCHEMES, is_remote, open_storage
+from .storage import BUCKET_SCHEMES, is_remote, missing_bucket, open_storage
 from .verify import Problem, check_cache, verify_cache
 
 
@@ -579,19 +579,17 @@ def _store_refusal(error: BaseException) -> tuple[str, BaseException] | None:
 def _missing_bucket(urls: list[str],
                     storage_options: dict[str, Any] | None) -> tuple[str, str] | None:
     """(url, bucket) for the first of `urls` whose bucket does not exist; None if all exist."""
+    _, _, store_errors = _botocore_errors()  # loaded with the store's client, if at all
     for url in urls:
-        scheme, _, path = url.partition("://")
-        bucket = path.partition("/")[0]
-        if scheme not in BUCKET_SCHEMES or not bucket:
+        if url.partition("://")[0] not in BUCKET_SCHEMES:
             continue
         fs, _ = fsspec.core.url_to_fs(url, **(storage_options or {}))
-        _, _, store_errors = _botocore_errors()  # loaded with the store's client, if at all
         try:
-            fs.info(bucket)
-        except FileNotFoundError:
-            return url, bucket
-        except (OSError, *store_errors):  # no right to look at the bucket: it may well exist
+            bucket = missing_bucket(fs, url)
+        except (OSError, *store_errors):  # the store would not say: the bucket may well exist
             continue
+        if bucket is not None:
+            return url, bucket
     return None
 
 

@@ -227,6 +227,23 @@ class LocalStorage(Storage):
 BUCKET_SCHEMES = ("s3", "s3a", "gs", "gcs", "az", "abfs", "abfss")
 
 
+def missing_bucket(fs: Any, url: str) -> str | None:
+    """The bucket of object-store ``url`` when the store says it does not exist; None when it
+    exists, when ``url`` is not on an object store, or when this reader may not look at the
+    bucket itself (writes into it may still work)."""
+    scheme, _, path = url.partition("://")
+    bucket = path.partition("/")[0]
+    if scheme not in BUCKET_SCHEMES or not bucket:
+        return None
+    try:
+        fs.info(bucket)
+    except FileNotFoundError:
+        return bucket
+    except PermissionError:
+        return None
+    return None
+
+
 class RemoteStorage(Storage):
     """A cache under an fsspec URL; `storage_options` go to the filesystem (credentials...)."""
 
@@ -296,19 +313,14 @@ class RemoteStorage(Storage):
     def makedirs(self) -> None:
         """Make the cache's folder; on an object store (no folders) check that its bucket
         exists instead: fsspec's makedirs would silently create a misspelled bucket."""
-        scheme, _, path = self.url.partition("://")
-        if scheme not in BUCKET_SCHEMES:
+        if self.url.partition("://")[0] not in BUCKET_SCHEMES:
             self.fs.makedirs(self.root, exist_ok=True)
             return
-        bucket = path.partition("/")[0]
-        try:
-            self.fs.info(bucket)
-        except FileNotFoundError:
+        bucket = missing_bucket(self.fs, self.url)
+        if bucket is not None:
             raise FileNotFoundError(f"{self.url}: bucket {bucket!r} does not exist; create it "
                                     "first, or check the URL (and the store's endpoint in "
-                                    "storage_options)") from None
-        except PermissionError:  # no right to look at the bucket itself: writes may still work
-            return
+                                    "storage_options)")
 
     def lock(self) -> "Lock":
         return _LeaseLock(self)
