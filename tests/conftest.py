@@ -119,3 +119,38 @@ def as_format_v1(root) -> None:
     Path(root, "head.json").unlink()
     for folder in ("index", "log"):
         shutil.rmtree(Path(root, folder), ignore_errors=True)
+
+
+@pytest.fixture(scope="module")
+def s3():
+    """A moto S3 server on 127.0.0.1 with one bucket, for a test module; yields its storage_options."""
+    import logging
+    with moto_s3() as options:
+        logging.getLogger("werkzeug").setLevel(logging.ERROR)
+        yield options
+
+
+@pytest.fixture(scope="module")
+def ray_local():
+    """A local Ray instance (2 CPUs) for a test module."""
+    ray = pytest.importorskip("ray")
+    ray.init(num_cpus=2, log_to_driver=False, include_dashboard=False)
+    yield ray
+    ray.shutdown()
+
+
+def wait_for_blocks(path, handle, minimum: int = 1):
+    """The TokenCache at `path` once a background build (`handle`) has committed `minimum` blocks
+    (polling; the build's error, if it fails first)."""
+    import time
+
+    import torchcache as tc
+    while True:
+        assert handle.error is None, handle.error
+        try:
+            cache = tc.TokenCache(path)
+            if cache.num_blocks >= minimum:
+                return cache
+        except FileNotFoundError:
+            pass
+        time.sleep(0.01)

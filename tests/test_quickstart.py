@@ -8,7 +8,7 @@ import threading
 import numpy as np
 import pytest
 import torch
-from conftest import paragraphs, write_jsonl
+from conftest import paragraphs, wait_for_blocks, write_jsonl
 
 import torchcache as tc
 
@@ -29,19 +29,6 @@ class _GatedDocuments:
             yield doc
 
 
-def _wait_for_blocks(path, handle, minimum=1):
-    import time
-    while True:
-        assert handle.error is None, handle.error
-        try:
-            cache = tc.TokenCache(path)
-            if cache.num_blocks >= minimum:
-                return cache
-        except FileNotFoundError:
-            pass
-        time.sleep(0.01)
-
-
 def _batches(loader, count):
     out, it = [], iter(loader)
     while len(out) < count:
@@ -59,7 +46,7 @@ def test_training_starts_on_a_growing_cache_and_matches_the_final_stream(tmp_pat
     gated = _GatedDocuments(docs, gate=1050)
     handle = tc.build_cache(iter(gated), tmp_path / "c", gpt2_tokenizer_path, block_tokens=500,
                             background=True)
-    cache = _wait_for_blocks(tmp_path / "c", handle, minimum=20)
+    cache = wait_for_blocks(tmp_path / "c", handle, minimum=20)
     ds = tc.TokenDataset(cache, SEQ)
     assert not ds.complete and len(ds) >= WINDOW
     sampler = tc.DistributedSampler(ds, seed=5, window=WINDOW, build=handle)
@@ -117,7 +104,7 @@ def test_a_failed_build_stops_the_waiting_sampler_with_its_error(tmp_path, books
     bad.write_text("\n".join(docs[:1000] + ["{broken"] + docs[1000:]) + "\n")
     handle = tc.build_cache(str(bad), tmp_path / "c", gpt2_tokenizer_path, block_tokens=500,
                             num_workers=1, background=True)
-    cache = _wait_for_blocks(tmp_path / "c", handle)
+    cache = wait_for_blocks(tmp_path / "c", handle)
     ds = tc.TokenDataset(cache, SEQ)
     sampler = tc.DistributedSampler(ds, seed=0, window=64, build=handle, wait_timeout=60)
     with pytest.raises(RuntimeError, match="background build failed.*bad.jsonl:1001"):
@@ -129,7 +116,7 @@ def test_a_stalled_build_times_out_with_a_clear_error(tmp_path, books, gpt2_toke
     handle = tc.build_cache(iter(gated), tmp_path / "c", gpt2_tokenizer_path, block_tokens=500,
                             background=True)
     try:
-        ds = tc.TokenDataset(_wait_for_blocks(tmp_path / "c", handle), SEQ)
+        ds = tc.TokenDataset(wait_for_blocks(tmp_path / "c", handle), SEQ)
         with pytest.raises(ValueError, match="window="):
             tc.DistributedSampler(ds)
         sampler = tc.DistributedSampler(ds, window=64, wait_timeout=0.3)

@@ -8,7 +8,6 @@ that hold for every interleaving (the copy directory is checked at every batch).
 from __future__ import annotations
 
 import json
-import logging
 import os
 import re
 import subprocess
@@ -17,7 +16,7 @@ import sys
 import numpy as np
 import pytest
 import torch
-from conftest import moto_s3, paragraphs, write_jsonl
+from conftest import paragraphs, write_jsonl
 
 import torchcache as tc
 from torchcache.local_copies import LocalCopies, copy_name, parse_size, tree_bytes
@@ -91,14 +90,6 @@ def test_dead_writers_reservation_is_reclaimed(tmp_path):
 
 
 # ---------------------------------------------------------------- on S3 (moto)
-
-@pytest.fixture(scope="module")
-def s3():
-    """A moto S3 server on 127.0.0.1 with one bucket; yields its storage_options."""
-    with moto_s3() as options:
-        logging.getLogger("werkzeug").setLevel(logging.ERROR)
-        yield options
-
 
 @pytest.fixture(scope="module")
 def remote(tmp_path_factory, books, gpt2_tokenizer_path, s3):

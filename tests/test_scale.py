@@ -127,14 +127,6 @@ def test_s3_builds_are_locked_by_a_lease_that_expires(tmp_path, inputs, s3, gpt2
     assert result.num_documents > 0 and not fs.exists("bucket/t3/cache/.lock")
 
 
-@pytest.fixture(scope="module")
-def ray_local():
-    ray = pytest.importorskip("ray")
-    ray.init(num_cpus=2, log_to_driver=False, include_dashboard=False)
-    yield ray
-    ray.shutdown()
-
-
 @pytest.mark.slow
 @pytest.mark.ray
 def test_ray_executor_builds_the_same_cache(tmp_path, inputs, ray_local, gpt2_tokenizer_path):

@@ -239,14 +239,6 @@ def test_an_input_that_cannot_be_read_keeps_its_oserror_type_and_names_the_url(
     assert isinstance(info.value.__cause__, OSError)
 
 
-@pytest.fixture(scope="module")
-def ray_local():
-    ray = pytest.importorskip("ray")
-    ray.init(num_cpus=2, log_to_driver=False, include_dashboard=False)
-    yield ray
-    ray.shutdown()
-
-
 @pytest.mark.slow
 @pytest.mark.ray
 def test_on_ray_a_bad_record_and_an_unreadable_input_keep_their_types(tmp_path, shards, books,

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import io
 import json
-import logging
 import os
 import subprocess
 import sys
@@ -19,7 +18,7 @@ import tarfile
 from pathlib import Path
 
 import pytest
-from conftest import moto_s3, paragraphs, write_jsonl
+from conftest import paragraphs, write_jsonl
 
 import torchcache as tc
 from torchcache.engine import default_workers
@@ -85,14 +84,6 @@ def visible_lines(stream: str) -> list[str]:
 
 
 # ---------------------------------------------------------------- a remote cache on S3 (moto)
-
-@pytest.fixture(scope="module")
-def s3():
-    """A moto S3 server on 127.0.0.1 with one bucket; yields its storage_options."""
-    with moto_s3() as options:
-        logging.getLogger("werkzeug").setLevel(logging.ERROR)
-        yield options
-
 
 @pytest.fixture(scope="module")
 def remote(tmp_path_factory, books, gpt2_tokenizer_path, s3):

@@ -8,8 +8,6 @@ A real moto S3 server on loopback (through s3fs) and real caches built from the 
 
 from __future__ import annotations
 
-import json
-import logging
 import os
 import shutil
 import signal
@@ -18,7 +16,7 @@ import sys
 
 import numpy as np
 import pytest
-from conftest import moto_s3, paragraphs, write_jsonl
+from conftest import paragraphs, write_jsonl
 
 import torchcache as tc
 from torchcache.local_copies import fetch_verified
@@ -27,13 +25,6 @@ from torchcache.storage import RemoteStorage
 BLOCK = 2_000
 BLOCK0 = "blocks/000000-000000.safetensors"  # block 0 of the stream
 MODES = {"ranged": 1, "full-copy": None}  # cache_limit: 1 byte fits no block, None copies all
-
-
-@pytest.fixture(scope="module")
-def s3():
-    with moto_s3() as options:
-        logging.getLogger("werkzeug").setLevel(logging.ERROR)
-        yield options
 
 
 def build(root, texts, tokenizer) -> str:

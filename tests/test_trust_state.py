@@ -16,7 +16,7 @@ import threading
 
 import pytest
 import torch
-from conftest import paragraphs
+from conftest import paragraphs, wait_for_blocks
 from torch.utils.data import default_collate
 
 import torchcache as tc
@@ -221,25 +221,12 @@ class _GatedDocuments:
             yield doc
 
 
-def _committed(path, handle, minimum: int) -> tc.TokenCache:
-    import time
-    while True:
-        assert handle.error is None, handle.error
-        try:
-            cache = tc.TokenCache(path)
-            if cache.num_blocks >= minimum:
-                return cache
-        except FileNotFoundError:
-            pass
-        time.sleep(0.01)
-
-
 def test_a_quick_start_state_loads_into_the_grown_cache_only(tmp_path, books, gpt2_tokenizer_path,
                                                              caches):
     gated = _GatedDocuments(paragraphs(books), gate=1050)  # the builder reads 1024 at a time
     handle = tc.build_cache(iter(gated), tmp_path / "c", gpt2_tokenizer_path, block_tokens=1_000,
                             background=True, progress=False)
-    growing = tc.TokenDataset(_committed(tmp_path / "c", handle, 3), SEQ)
+    growing = tc.TokenDataset(wait_for_blocks(tmp_path / "c", handle, 3), SEQ)
     assert not growing.complete
     loader = tc.DataLoader(growing, batch_size=BATCH,
                            sampler=tc.DistributedSampler(growing, seed=3, window=32))
