@@ -12,8 +12,8 @@ import torch
 import torch.distributed as dist
 from torch.utils.data import Dataset
 
-from torchcache.loader import DataLoader
-from torchcache.sample import DistributedSampler
+from torchcache.train.loader import DataLoader
+from torchcache.train.sampler import DistributedSampler
 
 
 class IdDataset(Dataset):

@@ -111,7 +111,7 @@ def as_format_v1(root) -> None:
     format v2 built it: the new code must keep reading such caches."""
     import shutil
 
-    from torchcache.ledger import read_manifest
+    from torchcache.format.ledger import read_manifest
     manifest = read_manifest(str(root))
     manifest["version"] = 1
     manifest.pop("chunk_records", None)

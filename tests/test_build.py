@@ -12,7 +12,7 @@ import pytest
 from conftest import paragraphs, tree_bytes, write_jsonl
 
 import torchcache as tc
-from torchcache.ledger import read_manifest
+from torchcache.format.ledger import read_manifest
 
 
 def test_round_trip_decodes_every_document(tmp_path, books, gpt2_tokenizer_path, gpt2):

@@ -17,8 +17,8 @@ from tokenizers import Tokenizer
 from conftest import build_killed_at_commit, paragraphs, tree_bytes, write_jsonl
 
 import torchcache as tc
-from torchcache.ledger import read_manifest
-from torchcache.storage import RemoteStorage
+from torchcache.format.ledger import read_manifest
+from torchcache.format.storage import RemoteStorage
 
 BLOCK = 2_000
 CLI = [sys.executable, "-m", "torchcache"]

@@ -15,7 +15,7 @@ import pytest
 
 import torchcache as tc
 from conftest import DATA
-from torchcache.ledger import read_manifest
+from torchcache.format.ledger import read_manifest
 
 PINNED = {
     "workers2": ("148c15ea00faff92740b4ea166a69883520c44668675a6ae11ad8e12b7991769",

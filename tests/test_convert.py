@@ -15,7 +15,7 @@ import webdataset as wds
 from conftest import DATA, paragraphs, tree_bytes
 
 import torchcache as tc
-from torchcache.ledger import read_manifest
+from torchcache.format.ledger import read_manifest
 
 
 def write_shards(directory: Path, samples: list[dict], per_shard: int, suffix: str = ".tar") -> list[str]:

@@ -35,11 +35,11 @@ from hypothesis import strategies as st
 
 import torchcache as tc
 from torchcache import cli
-from torchcache import format as fmt
-from torchcache import read as read_module
-from torchcache.verify import Problem, check_cache
-from torchcache.ledger import read_manifest
-from torchcache.storage import LocalStorage
+from torchcache.format import blocks as fmt
+from torchcache.read import cache as read_module
+from torchcache.build.verify import Problem, check_cache
+from torchcache.format.ledger import read_manifest
+from torchcache.format.storage import LocalStorage
 
 TESTS = Path(__file__).parent
 TIMEOUT = 60
@@ -227,7 +227,7 @@ def test_special_files_are_refused_by_every_reader_helper(root):
     except PermissionError:
         os.symlink("/dev/zero", root / entry["path"])
         kind = "outside the cache"
-    code = ("import sys, torchcache as tc; from torchcache import format as fmt\n"
+    code = ("import sys, torchcache as tc; from torchcache.format import blocks as fmt\n"
             "for call in (lambda: fmt.file_checksum('/dev/zero'),\n"
             "             lambda: fmt.read_tensor_file('/dev/zero', 'offsets'),\n"
             "             lambda: tc.TokenCache(sys.argv[1]).read(0, 10),\n"

@@ -14,7 +14,7 @@ import torch.multiprocessing as mp
 sys.path.insert(0, os.path.dirname(__file__))
 import _helpers_resume as helpers  # noqa: E402
 
-from torchcache.sample import DistributedSampler  # noqa: E402
+from torchcache.train.sampler import DistributedSampler  # noqa: E402
 
 pytestmark = pytest.mark.skipif(
     not (dist.is_available() and dist.is_gloo_available()), reason="needs torch.distributed with gloo"

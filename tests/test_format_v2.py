@@ -19,9 +19,9 @@ import numpy as np
 import pytest
 
 import torchcache as tc
-import torchcache.ledger as ledger
+import torchcache.format.ledger as ledger
 from conftest import as_format_v1, build_killed_at_commit, paragraphs, tree_bytes, write_jsonl
-from torchcache.storage import LocalStorage
+from torchcache.format.storage import LocalStorage
 
 BLOCK = 2_000
 CHUNK = 3

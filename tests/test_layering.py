@@ -15,64 +15,74 @@ import pytest
 
 PACKAGE = pathlib.Path(__file__).resolve().parent.parent / "torchcache"
 
-# Bottom to top: a module may import only modules in lower layers. The build side (records ...
-# build, convert) and the read side (cache_files ... loader) share the layers below format.
-LAYERS = [
-    ["errors"],
-    ["storage", "tokenizing", "_permutation", "_args", "_procs", "_lru", "prefetch"],
-    ["packing"],
-    ["format", "_state"],
-    ["local_copies"],
-    ["records", "cache_files", "ledger"],
-    ["remote_reads"],
-    ["wds", "read", "verify"],
-    ["inputs", "dataset", "schedule", "collate", "pack_plan"],
-    ["worker", "sample", "mix", "packed", "recipe"],
-    ["commit", "loader"],
-    ["executors"],
-    ["ray_executor"],
-    ["engine"],
-    ["handle", "repair"],
-    ["build"],
-    ["convert"],
-    ["cli"],
-    ["__init__"],
-    ["__main__"],
-]
-RANK = {module: rank for rank, layer in enumerate(LAYERS) for module in layer}
+# Bottom to top: a module may import modules of its own folder and of the folders below it, never
+# above (docs/architecture.md). `read` sits below `build` because verify and repair read a cache
+# through the same checked file access as TokenCache; the read side never imports the build side.
+FOLDERS = ["errors", "_util", "order", "format", "read", "build", "train", "cli", "__init__", "__main__"]
+FOLDER_RANK = {folder: rank for rank, folder in enumerate(FOLDERS)}
 # Imported inside functions on purpose: optional extras, loaded only when used.
 OPTIONAL_EXTRAS = {"ray", "s3fs", "pyarrow", "zstandard", "torchdata", "yaml"}
+# order/ is pure arithmetic: no I/O, no torch, nothing that reaches files or processes.
+ORDER_FORBIDDEN = {"torch", "os", "io", "pathlib", "shutil", "tempfile", "subprocess", "mmap", "socket",
+                   "fsspec", "safetensors", "tokenizers", "threading", "multiprocessing"}
+MAX_TOP_LEVEL_FILES = 6
+
+
+def _name(path: pathlib.Path) -> str:
+    """A module's dotted name inside the package: "read.cache", "cli", "train" (a folder's __init__)."""
+    rel = path.relative_to(PACKAGE).with_suffix("")
+    parts = list(rel.parts)
+    if parts[-1] == "__init__" and len(parts) > 1:
+        parts = parts[:-1]
+    return ".".join(parts)
 
 
 def _modules() -> dict[str, ast.Module]:
-    return {path.stem: ast.parse(path.read_text(), str(path)) for path in sorted(PACKAGE.glob("*.py"))}
+    return {_name(path): ast.parse(path.read_text(), str(path)) for path in sorted(PACKAGE.rglob("*.py"))}
 
 
-def _package_module(node: ast.ImportFrom) -> str | None:
+def _folder(module: str) -> str:
+    return module.split(".")[0]
+
+
+def _package_of(module: str) -> list[str]:
+    """The package a module's relative imports start from."""
+    parts = module.split(".")
+    path = PACKAGE.joinpath(*parts)
+    return parts if path.is_dir() else parts[:-1]
+
+
+def _resolve(importer: str, node: ast.ImportFrom) -> str | None:
     """The package module an `import from` names (None for other packages)."""
-    if node.level == 1:
-        return node.module or "__init__"
-    if node.level == 0 and node.module and node.module.split(".")[0] == "torchcache":
-        parts = node.module.split(".")
-        return parts[1] if len(parts) > 1 else "__init__"
-    return None
+    if node.level == 0:
+        if node.module and node.module.split(".")[0] == "torchcache":
+            return ".".join(node.module.split(".")[1:]) or "__init__"
+        return None
+    base = _package_of(importer)
+    base = base[:len(base) - (node.level - 1)]
+    parts = base + (node.module.split(".") if node.module else [])
+    return ".".join(parts) or "__init__"
 
 
-def _imports(tree: ast.Module) -> list[tuple[str, list[str], ast.ImportFrom]]:
-    """(module, names, node) for every import of a package module, with `from . import x`
-    read as an import of module x."""
+def _imports(name: str, tree: ast.Module) -> list[tuple[str, list[str], ast.stmt]]:
+    """(module, names, node) for every import of a package module, with `from .x import y` read
+    as an import of module x.y when y is a module."""
     found = []
     for node in ast.walk(tree):
         if isinstance(node, ast.Import):
             for alias in node.names:
                 parts = alias.name.split(".")
                 if parts[0] == "torchcache" and len(parts) > 1:
-                    found.append((parts[1], [], node))
+                    found.append((".".join(parts[1:]), [], node))
         elif isinstance(node, ast.ImportFrom):
-            module = _package_module(node)
-            if module == "__init__" and all(alias.name in RANK for alias in node.names):
-                found += [(alias.name, [], node) for alias in node.names]
-            elif module is not None:
+            module = _resolve(name, node)
+            if module is None:
+                continue
+            submodules = [alias.name for alias in node.names
+                          if (f"{module}.{alias.name}" if module != "__init__" else alias.name) in MODULES]
+            if submodules:
+                found += [((f"{module}.{sub}" if module != "__init__" else sub), [], node) for sub in submodules]
+            else:
                 found.append((module, [alias.name for alias in node.names], node))
     return found
 
@@ -88,22 +98,28 @@ def _function_level(tree: ast.Module) -> list[ast.stmt]:
 MODULES = _modules()
 
 
-def test_every_module_has_a_layer():
-    assert sorted(set(MODULES) - set(RANK)) == [], "place new modules in LAYERS"
+def test_every_module_is_in_a_known_folder():
+    assert sorted({_folder(m) for m in MODULES} - set(FOLDER_RANK)) == [], "place new folders in FOLDERS"
+
+
+def test_few_files_at_the_top():
+    top = sorted(p.name for p in PACKAGE.glob("*.py"))
+    assert len(top) <= MAX_TOP_LEVEL_FILES, f"the package's top holds {top}: put modules in their layer's folder"
 
 
 @pytest.mark.parametrize("name", sorted(MODULES))
 def test_imports_only_go_down(name):
-    upward = [(module, node.lineno) for module, _, node in _imports(MODULES[name])
-              if module != "__init__" and RANK[module] >= RANK[name]]
+    rank = FOLDER_RANK[_folder(name)]
+    upward = [(module, node.lineno) for module, names, node in _imports(name, MODULES[name])
+              if module != "__init__" and FOLDER_RANK[_folder(module)] > rank]
     # __version__ is the one thing the CLI takes from the package's top
-    upward += [("__init__", node.lineno) for module, names, node in _imports(MODULES[name])
+    upward += [("__init__", node.lineno) for module, names, node in _imports(name, MODULES[name])
                if module == "__init__" and name != "__main__" and names != ["__version__"]]
-    assert upward == [], f"{name} imports a module at its own layer or above"
+    assert upward == [], f"{name} imports a folder above its own"
 
 
 def test_import_graph_has_no_cycle():
-    graph = {name: {m for m, _, _ in _imports(tree) if m in MODULES and m != name}
+    graph = {name: {m for m, _, _ in _imports(name, tree) if m in MODULES and m != name}
              for name, tree in MODULES.items()}
     state: dict[str, int] = {}
 
@@ -124,11 +140,14 @@ def test_import_graph_has_no_cycle():
 @pytest.mark.parametrize("name", sorted(MODULES))
 def test_no_private_names_from_other_modules(name):
     tree = MODULES[name]
-    private = [f"{module}.{n} (line {node.lineno})" for module, names, node in _imports(tree)
+    imports = _imports(name, tree)
+    private = [f"{module}.{n} (line {node.lineno})" for module, names, node in imports
                for n in names if n.startswith("_") and not n.startswith("__")]
-    aliases = {alias.asname or alias.name for node in ast.walk(tree)
-               if isinstance(node, ast.ImportFrom) and _package_module(node) == "__init__"
-               for alias in node.names}
+    private += [f"{module} (line {node.lineno})" for module, _, node in imports
+                if any(part.startswith("_") and not part.startswith("__") and part != "_util"
+                       for part in module.split("."))]
+    aliases = {alias.asname or alias.name for node in ast.walk(tree) if isinstance(node, ast.ImportFrom)
+               and _resolve(name, node) is not None for alias in node.names}
     aliases |= {alias.asname for node in ast.walk(tree) if isinstance(node, ast.Import)
                 for alias in node.names if alias.name.startswith("torchcache.") and alias.asname}
     private += [f"{node.value.id}.{node.attr} (line {node.lineno})" for node in ast.walk(tree)
@@ -136,6 +155,20 @@ def test_no_private_names_from_other_modules(name):
                 and node.value.id in aliases and node.attr.startswith("_")
                 and not node.attr.startswith("__")]
     assert private == [], f"{name} uses another module's private names"
+
+
+@pytest.mark.parametrize("name", sorted(m for m in MODULES if _folder(m) == "order"))
+def test_order_is_pure(name):
+    """order/ is arithmetic on positions and plans: it must not reach files, processes or torch."""
+    roots = set()
+    for node in ast.walk(MODULES[name]):
+        if isinstance(node, ast.Import):
+            roots |= {alias.name.split(".")[0] for alias in node.names}
+        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+            roots.add(node.module.split(".")[0])
+        elif isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id == "open":
+            roots.add("open()")
+    assert sorted(roots & (ORDER_FORBIDDEN | {"open()"})) == []
 
 
 @pytest.mark.parametrize("name", sorted(MODULES))
@@ -151,8 +184,43 @@ def test_function_level_imports_are_only_optional_extras(name):
 def test_the_build_side_and_plans_do_not_import_torch():
     """Build workers and pack planners start fresh interpreters: importing torch (~2 s) in each
     would dominate small jobs. Only the training side (datasets, loader) imports it."""
-    code = ("import sys, torchcache, torchcache.build, torchcache.pack_plan, torchcache.worker, "
-            "torchcache.cli, torchcache.recipe; "
+    code = ("import sys, torchcache, torchcache.build.api, torchcache.read.pack_plan, torchcache.build.worker, "
+            "torchcache.cli, torchcache.train.recipe; "
             "print('torch' in sys.modules)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "False"
+
+
+def _private_definitions(tree: ast.Module) -> set[str]:
+    """Private names a module defines: functions, methods, classes, attributes it assigns."""
+    names = set()
+    for node in ast.walk(tree):
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            names.add(node.name)
+        elif isinstance(node, ast.Attribute) and isinstance(node.ctx, ast.Store):
+            names.add(node.attr)
+        elif isinstance(node, ast.Name) and isinstance(node.ctx, ast.Store):
+            names.add(node.id)
+    return {n for n in names if n.startswith("_") and not n.startswith("__")}
+
+
+DEFINED_PRIVATE = {name: _private_definitions(tree) for name, tree in MODULES.items()}
+
+
+@pytest.mark.parametrize("name", sorted(MODULES))
+def test_no_private_attributes_of_other_modules_objects(name):
+    """`other._x` on an object of another module's class is a hidden protocol: give it a public
+    name instead. (Names this module defines are its own business, and so are `self._x` a class
+    inherits from a base class in the same folder.)"""
+    own = DEFINED_PRIVATE[name]
+    family = set().union(*(names for module, names in DEFINED_PRIVATE.items()
+                           if _folder(module) == _folder(name)))
+    others = set().union(*(names for module, names in DEFINED_PRIVATE.items() if module != name))
+    reached = sorted({f"{ast.unparse(node.value)}.{node.attr} (line {node.lineno})"
+                      for node in ast.walk(MODULES[name])
+                      if isinstance(node, ast.Attribute) and node.attr.startswith("_")
+                      and not node.attr.startswith("__") and node.attr not in own
+                      and node.attr in others
+                      and not (isinstance(node.value, ast.Name) and node.value.id == "self"
+                               and node.attr in family)})
+    assert reached == [], f"{name} reaches into other modules' objects"

@@ -15,8 +15,8 @@ from hypothesis import strategies as st
 sys.path.insert(0, os.path.dirname(__file__))
 from _helpers_resume import IdDataset, check_contiguous, ids, lockstep_steps, make_loader, run_until  # noqa: E402
 
-from torchcache.loader import DataLoader  # noqa: E402
-from torchcache.sample import DistributedSampler  # noqa: E402
+from torchcache.train.loader import DataLoader  # noqa: E402
+from torchcache.train.sampler import DistributedSampler  # noqa: E402
 
 EPOCHS = 3
 

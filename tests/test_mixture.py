@@ -20,8 +20,8 @@ sys.path.insert(0, os.path.dirname(__file__))
 from _helpers_resume import lockstep_steps, run_until  # noqa: E402
 
 import torchcache as tc  # noqa: E402
-from torchcache._permutation import Permutation, derive_key  # noqa: E402
-from torchcache.mix import MixtureDataset  # noqa: E402
+from torchcache.order.permutation import Permutation, derive_key  # noqa: E402
+from torchcache.train.mix import MixtureDataset  # noqa: E402
 
 BIG = 10**15  # sources this long never run out in these tests: local position = permuted index
 

@@ -21,9 +21,9 @@ from hypothesis import strategies as st
 
 import torchcache as tc
 import torchcache.cli as cli
-import torchcache.pack_plan as pack_plan
-from torchcache._permutation import derive_key, mix64
-from torchcache.packing import pack_block
+import torchcache.read.pack_plan as pack_plan
+from torchcache.order.permutation import derive_key, mix64
+from torchcache.order.packing import pack_block
 
 CHUNK_BLOCKS = 4
 BLOCK_TOKENS = 2048

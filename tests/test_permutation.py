@@ -1,11 +1,11 @@
-"""Tests for torchcache._permutation: bijection, large domains, shuffling quality, errors."""
+"""Tests for torchcache.order.permutation: bijection, large domains, shuffling quality, errors."""
 
 import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from torchcache._permutation import (
+from torchcache.order.permutation import (
     PERMUTATION_ALGORITHM,
     Permutation,
     derive_key,

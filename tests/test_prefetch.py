@@ -19,7 +19,7 @@ sys.path.insert(0, os.path.dirname(__file__))
 from _helpers_resume import IdDataset, ids, make_loader, run_until  # noqa: E402
 
 import torchcache as tc  # noqa: E402
-from torchcache.prefetch import BatchReader  # noqa: E402
+from torchcache.read.prefetch import BatchReader  # noqa: E402
 
 THREAD = "torchcache-prefetch"
 

@@ -12,8 +12,8 @@ import pytest
 from conftest import as_format_v1, paragraphs, write_jsonl
 
 import torchcache as tc
-from torchcache.format import MANIFEST_NAME
-from torchcache.ledger import read_manifest
+from torchcache.format.blocks import MANIFEST_NAME
+from torchcache.format.ledger import read_manifest
 
 
 @pytest.fixture()

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 import torchcache as tc
-from torchcache.ledger import read_manifest
+from torchcache.format.ledger import read_manifest
 
 DATA = Path(__file__).parent / "data"
 

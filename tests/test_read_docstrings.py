@@ -11,9 +11,9 @@ import torch
 
 import torchcache as tc
 
-MODULES = ["torchcache._lru", "torchcache._state", "torchcache.cache_files", "torchcache.collate",
-           "torchcache.dataset", "torchcache.loader", "torchcache.mix", "torchcache.read",
-           "torchcache.sample", "torchcache.schedule", "torchcache.verify"]
+MODULES = ["torchcache._util.lru", "torchcache.order.state", "torchcache.read.cache_files", "torchcache.train.collate",
+           "torchcache.train.dataset", "torchcache.train.loader", "torchcache.train.mix", "torchcache.read.cache",
+           "torchcache.train.sampler", "torchcache.order.schedule", "torchcache.build.verify"]
 
 
 @pytest.mark.parametrize("name", MODULES)

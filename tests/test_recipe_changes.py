@@ -27,7 +27,7 @@ sys.path.insert(0, os.path.dirname(__file__))
 from _helpers_resume import IdDataset, ids, lockstep_steps, run_until  # noqa: E402
 
 import torchcache as tc  # noqa: E402
-from torchcache.mix import MixtureDataset  # noqa: E402
+from torchcache.train.mix import MixtureDataset  # noqa: E402
 
 OFF = 10**6  # item value = OFF * (source number) + local index: an item names its source and index
 SOURCE_NUMBER = {"a": 0, "b": 1, "c": 2, "d": 3}

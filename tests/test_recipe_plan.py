@@ -10,8 +10,8 @@ import sys
 import pytest
 
 import torchcache as tc
-from torchcache import recipe as recipe_module
-from torchcache.read import TokenCache
+from torchcache.train import recipe as recipe_module
+from torchcache.read.cache import TokenCache
 
 from conftest import paragraphs, write_jsonl
 

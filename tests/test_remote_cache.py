@@ -19,7 +19,7 @@ import torch
 from conftest import paragraphs, write_jsonl
 
 import torchcache as tc
-from torchcache.local_copies import LocalCopies, copy_name, parse_size, tree_bytes
+from torchcache.read.local_copies import LocalCopies, copy_name, parse_size, tree_bytes
 
 BLOCK = 2_000  # tokens per block: ~40 blocks of ~4 KB
 BLOCK0 = "blocks/000000-000000.safetensors"

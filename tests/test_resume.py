@@ -14,8 +14,8 @@ import pytest
 from conftest import build_killed_at_commit, paragraphs, tree_bytes, write_jsonl
 
 import torchcache as tc
-from torchcache.format import file_checksum
-from torchcache.ledger import read_manifest
+from torchcache.format.blocks import file_checksum
+from torchcache.format.ledger import read_manifest
 
 BLOCK = 2_000
 

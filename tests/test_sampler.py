@@ -16,9 +16,9 @@ from hypothesis import strategies as st
 sys.path.insert(0, os.path.dirname(__file__))
 from _helpers_resume import IdDataset, interleave  # noqa: E402
 
-import torchcache.sample as sample_mod  # noqa: E402
-from torchcache._permutation import PERMUTATION_ALGORITHM, Permutation  # noqa: E402
-from torchcache.sample import DistributedSampler  # noqa: E402
+import torchcache.train.sampler as sample_mod  # noqa: E402
+from torchcache.order.permutation import PERMUTATION_ALGORITHM, Permutation  # noqa: E402
+from torchcache.train.sampler import DistributedSampler  # noqa: E402
 
 WORLD_SIZES = st.sampled_from([1, 2, 3, 8])
 FAST = settings(max_examples=40, deadline=None)

@@ -13,8 +13,8 @@ import torch
 from conftest import moto_s3, paragraphs, tree_bytes, write_jsonl
 
 import torchcache as tc
-from torchcache.ledger import read_manifest
-from torchcache.storage import open_storage
+from torchcache.format.ledger import read_manifest
+from torchcache.format.storage import open_storage
 
 BLOCK = 2_000
 

@@ -14,9 +14,9 @@ import pytest
 from conftest import build_killed_at_commit, moto_s3, paragraphs, tree_bytes, write_jsonl
 
 import torchcache as tc
-import torchcache.engine as engine
+import torchcache.build.engine as engine
 from torchcache.errors import InputChangedError, InputError
-from torchcache.ledger import read_manifest
+from torchcache.format.ledger import read_manifest
 
 BLOCK = 2_000
 

@@ -19,8 +19,8 @@ import pytest
 from conftest import paragraphs, write_jsonl
 
 import torchcache as tc
-from torchcache.local_copies import fetch_verified
-from torchcache.storage import RemoteStorage
+from torchcache.read.local_copies import fetch_verified
+from torchcache.format.storage import RemoteStorage
 
 BLOCK = 2_000
 BLOCK0 = "blocks/000000-000000.safetensors"  # block 0 of the stream

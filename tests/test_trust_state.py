@@ -20,7 +20,7 @@ from conftest import paragraphs, wait_for_blocks
 from torch.utils.data import default_collate
 
 import torchcache as tc
-from torchcache.loader import LOADER_STATE_VERSION
+from torchcache.train.loader import LOADER_STATE_VERSION
 
 SEQ, BATCH, DOCS = 16, 4, 300
 

@@ -21,9 +21,9 @@ import time
 import numpy as np
 
 import torchcache as tc
-from torchcache import format as fmt
-from torchcache import ledger
-from torchcache.storage import LocalStorage
+from torchcache.format import blocks as fmt
+from torchcache.format import ledger
+from torchcache.format.storage import LocalStorage
 
 SHARED = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "shared", "data")
 

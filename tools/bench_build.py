@@ -61,8 +61,8 @@ def build_with_rss(shards: list[str], tokenizer: str, out: str, workers: int | N
 
 def cache_ids_by_input(out: str) -> list[list[list[int]]]:
     import torchcache as tc
-    from torchcache.format import read_tensor_file
-    from torchcache.ledger import read_manifest
+    from torchcache.format.blocks import read_tensor_file
+    from torchcache.format.ledger import read_manifest
     cache = tc.TokenCache(out)
     manifest = read_manifest(out)
     per_input: dict[int, list[list[int]]] = {}

@@ -10,7 +10,7 @@
    the rest is packed like a document) it prints rows and padding (padding tokens over
    rows * seq_len) for:
 
-   - best-fit decreasing (``torchcache.packing.pack_block``) on the blocks a cache would have
+   - best-fit decreasing (``torchcache.order.packing.pack_block``) on the blocks a cache would have
      (the builder's exact rule: a block is closed as soon as it holds >= block_tokens tokens, or
      before a document that would take it past block_tokens), once over the corpus as one
      stream and once per input file (as a cache built from the 10 shard files is cut), and on
@@ -43,7 +43,7 @@ import time
 import numpy as np
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
-from torchcache.packing import BlockPack, pack_block  # noqa: E402
+from torchcache.order.packing import BlockPack, pack_block  # noqa: E402
 
 SHARED = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "shared", "data")
 PARAGRAPH = re.compile(r"\n\s*\n")

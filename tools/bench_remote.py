@@ -31,7 +31,7 @@ import time
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 import torchcache as tc  # noqa: E402
-from torchcache.local_copies import tree_bytes  # noqa: E402
+from torchcache.read.local_copies import tree_bytes  # noqa: E402
 
 SHARED = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "shared", "data")
 SEQ, BATCH = 2048, 16

@@ -5,28 +5,28 @@ from __future__ import annotations
 import importlib
 from typing import Any
 
-from .build import build_cache
-from .engine import BuildResult
-from .convert import convert_webdataset
+from .build.api import build_cache
+from .build.convert import convert_webdataset
+from .build.engine import BuildResult
+from .build.handle import BuildHandle
+from .build.repair import RepairResult, repair_cache
+from .build.verify import Problem, check_cache, verify_cache
 from .errors import BuildError, CacheFormatError, InputChangedError, InputError
-from .handle import BuildHandle
-from .read import TokenCache
-from .verify import Problem, check_cache, verify_cache
-from .repair import RepairResult, repair_cache
+from .read.cache import TokenCache
 
 __version__ = "0.1.0"
 
 # The training side needs torch; import it only when used, so build workers start fast and small.
 _LAZY = {
-    "DataLoader": ".loader",
-    "DistributedSampler": ".sample",
-    "DocumentDataset": ".dataset",
-    "MixtureDataset": ".mix",
-    "MixtureSchedule": ".schedule",
-    "PackedDataset": ".packed",
-    "TokenDataset": ".dataset",
-    "packed_collate": ".collate",
-    "pad_collate": ".collate",
+    "DataLoader": ".train.loader",
+    "DistributedSampler": ".train.sampler",
+    "DocumentDataset": ".train.dataset",
+    "MixtureDataset": ".train.mix",
+    "MixtureSchedule": ".order.schedule",
+    "PackedDataset": ".train.packed",
+    "TokenDataset": ".train.dataset",
+    "packed_collate": ".train.collate",
+    "pad_collate": ".train.collate",
 }
 
 __all__ = [

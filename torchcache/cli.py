@@ -27,20 +27,20 @@ import numpy as np
 from tqdm.auto import tqdm
 
 from . import __version__
-from ._args import POSITION_LIMIT, int_arg, optional_int_arg
-from .build import build_cache
-from .cache_files import locate_cache
-from .commit import acquire_lock
-from .convert import convert_webdataset
-from .engine import default_workers, progress_enabled
-from .ledger import HEAD_NAME, upgrade
-from .pack_plan import PackPlan, PlanIdentity, default_plan_root, list_plans, plan_identity
-from .packing import LONG_DOCS
-from .read import TokenCache
-from .recipe import load_recipe, plan_recipe
-from .repair import repair_cache
-from .storage import BUCKET_SCHEMES, is_remote, missing_bucket, open_storage
-from .verify import Problem, check_cache, verify_cache
+from ._util.args import POSITION_LIMIT, int_arg, optional_int_arg
+from .build.api import build_cache
+from .read.cache_files import locate_cache
+from .build.commit import acquire_lock
+from .build.convert import convert_webdataset
+from .build.engine import default_workers, progress_enabled
+from .format.ledger import HEAD_NAME, upgrade
+from .read.pack_plan import PackPlan, PlanIdentity, default_plan_root, list_plans, plan_identity
+from .order.packing import LONG_DOCS
+from .read.cache import TokenCache
+from .train.recipe import load_recipe, plan_recipe
+from .build.repair import repair_cache
+from .format.storage import BUCKET_SCHEMES, is_remote, missing_bucket, open_storage
+from .build.verify import Problem, check_cache, verify_cache
 
 
 def _build(args: argparse.Namespace) -> int:

@@ -1,0 +1,281 @@
+"""Repair a cache: rebuild exactly its damaged blocks from the inputs, byte for byte.
+
+A build is a pure function of (inputs, tokenizer, options), so a damaged block can be made again
+by re-tokenizing its input from the start. Each rebuilt block is compared with the checksums the
+manifest recorded before it replaces the damaged files, so a repair can never write different
+data: if an input changed since the build, the repair stops and says so.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import hashlib
+import os
+import shutil
+import tempfile
+from dataclasses import dataclass
+from typing import Any, Iterator
+
+from ..format import blocks as fmt
+from .commit import acquire_lock
+from ..errors import BuildError
+from ..format.ledger import (HEAD_NAME, LOG_DIR, BlockTable, final_head, has_log, head_from_log,
+                     index_chunk_name, lost_head, read_manifest, stored_index)
+from .inputs import resolve_inputs
+from .records import ITERABLE_PATH, InputSource
+from ..format.storage import LocalStorage, Storage, open_storage
+from ..format.tokenizer import cache_tokenizer, canonical_json
+from .verify import check_cache
+from .worker import BlockWritten, BuildJob, InputDone, build_input
+
+_FILES = (("path", "checksum"), ("offsets", "offsets_checksum"), ("keys", "keys_checksum"))
+
+
+@dataclass
+class RepairResult:
+    """What a repair did: the block files it rewrote, and the problems it found first.
+
+    Example:
+        >>> result = tc.repair_cache("caches/web")
+        >>> result.repaired, result.problems   # ([], []) for a healthy cache
+    """
+
+    path: str
+    repaired: list[str]
+    problems: list[str]
+
+
+def repair_cache(path: str | os.PathLike, *, storage_options: dict[str, Any] | None = None,
+                 local_dir: str | None = None) -> RepairResult:
+    """Find damaged blocks (as `verify_cache` does) and rebuild exactly those from the inputs.
+
+    A lost head.json (the commit point) is restored first: recomputed from the commit log and
+    the index of an unfinished build, or, for a complete cache, from the index and each input's
+    final progress, found by reading the inputs again (checked block by block against the index).
+    Temporary files that killed writers left are removed.
+
+    The inputs must still be at the paths the manifest records, unchanged. Problems that are
+    not a damaged block (a manifest in the wrong order, a corrupted manifest, another
+    tokenizer.json) cannot be repaired this way and raise BuildError.
+
+    Example:
+        >>> result = tc.repair_cache("caches/web")
+        >>> result.repaired   # e.g. ['blocks/000002-000005.safetensors']
+    """
+    storage = open_storage(path, storage_options)
+    lock = acquire_lock(storage)  # no builder may write while blocks are replaced
+    try:
+        fmt.remove_dead_temp_files(storage, "", fmt.TOP_FILES)
+        fmt.remove_dead_temp_files(storage, fmt.BLOCK_DIR, fmt.BLOCK_FILES)
+        lost = lost_head(storage)
+        found, repaired = [], []
+        if lost is not None:
+            _restore_head(storage, storage_options)
+            found, repaired = [lost], [HEAD_NAME]
+        problems = check_cache(path, storage_options=storage_options, local_dir=local_dir)
+        found += [p.message for p in problems]
+        if not problems:
+            return RepairResult(storage.url, repaired, found)
+        unfixable = [p.message for p in problems if p.entry is None]
+        if unfixable:
+            raise BuildError(f"{storage.url}: cannot repair this by rebuilding blocks: "
+                             f"{'; '.join(unfixable[:3])}. Rebuild the cache into a new directory")
+        manifest = read_manifest(storage)
+        entries = manifest["blocks"] + manifest.get("pending", [])
+        damaged: dict[int, dict[int, set[str]]] = {}
+        for p in problems:
+            entry = entries[p.entry]
+            damaged.setdefault(entry["input"], {}).setdefault(entry["index"], set()).add(p.file)
+        job = _job_for(storage, manifest, storage_options)
+        for input_index in sorted(damaged):
+            wanted = {e["index"]: _Damaged(e, damaged[input_index][e["index"]],
+                                           _record_of(manifest, k))
+                      for k, e in enumerate(entries)
+                      if e["input"] == input_index and e["index"] in damaged[input_index]}
+            repaired += _rebuild_input(storage, job, manifest, input_index, wanted, storage_options)
+        return RepairResult(storage.url, repaired, found)
+    finally:
+        lock.release()
+
+
+@dataclass
+class _Damaged:
+    """A block with damaged files: its recorded entry, the files to put back, and where its
+    record lies (a file and a description, for messages)."""
+
+    entry: dict[str, Any]
+    files: set[str]
+    record: tuple[str, str]
+
+
+def _record_of(manifest: dict[str, Any], k: int) -> tuple[str, str]:
+    """(file, what) holding the record of entry k of `blocks + pending`."""
+    if manifest["version"] == 1:
+        return fmt.MANIFEST_NAME, f"the entry of block {k}"
+    if k < len(manifest["blocks"]):
+        return index_chunk_name(k // manifest["chunk_records"]), f"the record of block {k}"
+    return LOG_DIR, "the commit log's record of a finished block"
+
+
+def _restore_head(storage: Storage, storage_options: dict[str, Any] | None) -> None:
+    """Write head.json again: from the commit log and the index of an unfinished build, or, for
+    a complete cache (no log), from the index and each input's final progress, found by reading
+    it again. Only what the cache committed is counted; nothing is made up."""
+    if has_log(storage):
+        storage.write_json(HEAD_NAME, head_from_log(storage))
+        return
+    manifest, records = stored_index(storage)
+    table = BlockTable(records)
+    job = _job_for(storage, manifest, storage_options)
+    progress = []
+    for i, spec_input in enumerate(manifest["spec"]["inputs"]):
+        recorded = [table.entry(b) for b in range(len(table)) if table.input(b) == i]
+        progress.append(_final_progress(storage, job, i, _input_source(spec_input, storage_options),
+                                        recorded))
+    storage.write_json(HEAD_NAME, final_head(storage, progress))
+
+
+def _final_progress(storage: Storage, job: BuildJob, input_index: int, source: InputSource,
+                    recorded: list[dict]) -> dict[str, Any]:
+    """An input's final progress, by tokenizing it again: each block it makes must be the one
+    the index records."""
+    with _scratch_job(job) as (scratch_job, scratch):
+        for event in build_input(scratch_job, input_index, source, dict(_START)):
+            if isinstance(event, BlockWritten):
+                k = event.entry["index"]
+                if k >= len(recorded) or not _same_files(event.entry, recorded[k]):
+                    raise BuildError(f"cannot restore {storage.url}/{HEAD_NAME}: input {source.path} "
+                                     f"now makes another block {k} than the index records: it "
+                                     "changed since the build. Rebuild the cache into a new directory")
+                _remove_scratch_block(scratch, event.entry)
+            elif isinstance(event, InputDone):
+                return event.progress
+    raise BuildError(f"cannot restore {storage.url}/{HEAD_NAME}: input {source.path} ended without "
+                     "being finished; rebuild the cache into a new directory")
+
+
+def _job_for(storage: Storage, manifest: dict[str, Any],
+             storage_options: dict[str, Any] | None) -> BuildJob:
+    """The build job the manifest's spec describes (with the tokenizer stored in the cache)."""
+    spec = manifest["spec"]
+    tokenizer_json = None
+    if spec["tokenizer"] is not None:
+        where = f"{storage.url}/{fmt.TOKENIZER_NAME}"
+        try:
+            tok = cache_tokenizer(fmt.read_capped_file(storage, fmt.TOKENIZER_NAME,
+                                                       fmt.MAX_TOKENIZER_BYTES),
+                                  spec["tokenizer"]["fingerprint"], where)
+        except (OSError, ValueError) as e:
+            raise BuildError(f"{where}: cannot rebuild blocks without the cache's tokenizer ({e}); "
+                             "rebuild the cache into a new directory") from None
+        tokenizer_json = canonical_json(tok)
+    # "skip" reproduces every block a build committed whatever its on_error was: blocks end
+    # before the first bad record a raising build stopped at
+    dtype = {"U16": "uint16", "U32": "uint32"}[spec["dtype"]]
+    return BuildJob(storage, tokenizer_json, spec["bos_id"], spec["eos_id"], dtype, spec["text_key"],
+                spec["block_tokens"], "skip", spec["special_tokens_as_text"],
+                dict(storage_options or {}), spec["vocab_size"])
+
+
+def _input_source(spec_input: dict[str, Any], storage_options: dict[str, Any] | None) -> InputSource:
+    path = spec_input["path"]
+    if path == ITERABLE_PATH:
+        raise BuildError("this cache was built from an iterable of strings, which cannot be read "
+                         "again; rebuild the cache into a new directory")
+    try:
+        (source,) = resolve_inputs([path], storage_options)
+    except (OSError, ValueError) as e:
+        raise BuildError(f"cannot repair from input {path}: {e}") from None
+    if source.size != spec_input["size"]:
+        raise BuildError(f"input {path} is {source.size} bytes, it was {spec_input['size']} when "
+                         "the cache was built: it changed, so the damaged blocks cannot be "
+                         "rebuilt from it; rebuild the cache into a new directory")
+    return source
+
+
+def _rebuild_input(storage: Storage, job: BuildJob, manifest: dict[str, Any], input_index: int,
+                   wanted: dict[int, _Damaged], storage_options: dict[str, Any] | None) -> list[str]:
+    """Re-tokenize one input from its start into a scratch directory; put back the damaged files
+    of the wanted blocks. Returns the files written."""
+    source = _input_source(manifest["spec"]["inputs"][input_index], storage_options)
+    with _scratch_job(job) as (scratch_job, scratch):
+        written: list[str] = []
+        for event in build_input(scratch_job, input_index, source, dict(_START)):
+            if not isinstance(event, BlockWritten):
+                continue
+            rebuilt = event.entry
+            damaged = wanted.pop(rebuilt["index"], None)
+            if damaged is not None:
+                written += _put_back(storage, scratch, rebuilt, damaged, source.path)
+            _remove_scratch_block(scratch, rebuilt)
+            if not wanted:
+                return written
+        raise BuildError(f"input {source.path} now yields fewer blocks than the cache holds: it "
+                         "changed since the build; rebuild the cache into a new directory")
+
+
+_START = {"records": 0, "skipped": {}, "blocks": 0}
+
+
+@contextlib.contextmanager
+def _scratch_job(job: BuildJob) -> Iterator[tuple[BuildJob, str]]:
+    """The job, writing into a new scratch directory that is removed afterwards."""
+    scratch = tempfile.mkdtemp(prefix="torchcache-repair-")
+    try:
+        yield dataclasses.replace(job, output=LocalStorage(scratch)), scratch
+    finally:
+        shutil.rmtree(scratch, ignore_errors=True)
+
+
+def _same_files(rebuilt: dict, original: dict) -> bool:
+    return all(rebuilt.get(name) == original.get(name) and rebuilt.get(checksum) == original.get(checksum)
+               for name, checksum in _FILES)
+
+
+def _put_back(storage: Storage, scratch: str, rebuilt: dict, damaged: _Damaged,
+              input_path: str) -> list[str]:
+    """Write a rebuilt block's damaged files over the cache's, after checking the rebuild is
+    the block the cache recorded."""
+    original = damaged.entry
+    if not _same_files(rebuilt, original):
+        raise BuildError(_mismatch(storage, rebuilt, damaged, input_path))
+    written = []
+    for name, _ in _FILES:
+        rel = rebuilt.get(name)
+        if rel is None or rel not in damaged.files:
+            continue
+        with open(os.path.join(scratch, *rel.split("/")), "rb") as f:
+            storage.write(rel, [f.read()])
+        written.append(rel)
+    return written
+
+
+def _mismatch(storage: Storage, rebuilt: dict, damaged: _Damaged, input_path: str) -> str:
+    """Why a rebuild differs from the record: a damaged record (the cache's file and the
+    rebuild agree), or an input that changed since the build."""
+    original = damaged.entry
+    record_file, what = damaged.record
+    for name, checksum in _FILES:
+        rel = original.get(name)
+        if rel is None or rebuilt.get(checksum) == original.get(checksum):
+            continue
+        try:
+            actual = "sha256:" + hashlib.sha256(storage.read(rel)).hexdigest()
+        except FileNotFoundError:
+            actual = None
+        if actual == rebuilt.get(checksum):
+            return (f"{storage.url}/{record_file}: {what} says {rel} has {original[checksum]}, but "
+                    f"the file and a rebuild from {input_path} both have {actual}: the record is "
+                    "damaged, not the block file. Nothing was replaced; restore "
+                    f"{record_file} from a copy of the cache, or rebuild the cache into a new "
+                    "directory")
+    return (f"rebuilding {original['path']} from {input_path} gave different bytes than the cache "
+            "recorded: the input changed since the build; nothing was replaced for this block. "
+            "Rebuild the cache into a new directory")
+
+
+def _remove_scratch_block(scratch: str, entry: dict) -> None:
+    for name, _ in _FILES:
+        if entry.get(name):
+            os.unlink(os.path.join(scratch, *entry[name].split("/")))

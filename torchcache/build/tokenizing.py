@@ -1,0 +1,122 @@
+"""Fast whole-document encoding: EOS/BOS, safe cuts of long documents."""
+
+from __future__ import annotations
+
+import json
+import re
+from typing import Sequence
+
+import numpy as np
+from tokenizers import Tokenizer
+
+_EOS_CANDIDATES = ("<|endoftext|>", "</s>", "<eos>", "<|end_of_text|>", "<|eot_id|>", "[SEP]")
+# A blank line followed by a non-space: GPT-2's byte-level pre-tokenizer always cuts between the
+# two newlines there, so encoding the halves separately yields exactly the same ids.
+_SAFE_CUT = re.compile(r"(?<=\n)(?=\n\S)")
+_PIECE_CHARS = 16_384
+
+
+def special_token_id(tok: Tokenizer, token: int | str | None, role: str) -> int | None:
+    """Resolve a BOS/EOS argument (id, token string, None, or "auto" for EOS) to an id."""
+    if token is None:
+        return None
+    if isinstance(token, bool):
+        raise TypeError(f"{role} must be a token id, a token string, None or 'auto'")
+    if token == "auto":
+        for candidate in _EOS_CANDIDATES:
+            found = tok.token_to_id(candidate)
+            if found is not None:
+                return found
+        raise ValueError(f"could not find an end-of-document token in the tokenizer (tried "
+                         f"{', '.join(_EOS_CANDIDATES)}); pass {role}=<id or token string>, or "
+                         f"{role}=None to store documents without one")
+    if isinstance(token, str):
+        found = tok.token_to_id(token)
+        if found is None:
+            raise ValueError(f"{role}={token!r} is not a token of this tokenizer")
+        return found
+    if not isinstance(token, (int, np.integer)):
+        raise TypeError(f"{role} must be a token id (int), a token string, None or 'auto', "
+                        f"not {token!r}")
+    vocab = tok.get_vocab_size(with_added_tokens=True)
+    if not 0 <= int(token) < vocab:
+        raise ValueError(f"{role}={token} is outside the vocabulary (size {vocab})")
+    return int(token)
+
+
+def can_cut_safely(tok: Tokenizer) -> bool:
+    """True when cutting text at _SAFE_CUT provably leaves the ids unchanged.
+
+    That holds for a byte-level BPE with the GPT-2 regex and no prefix space (GPT-2, GPT-NeoX,
+    Pythia...), with no normalizer or NFC, and no added token that could span or eat the cut.
+    """
+    spec = json.loads(tok.to_str())
+    pre = spec.get("pre_tokenizer") or {}
+    if pre.get("type") == "Sequence" and len(pre.get("pretokenizers", [])) == 1:
+        pre = pre["pretokenizers"][0]
+    if not (pre.get("type") == "ByteLevel" and not pre.get("add_prefix_space", True)
+            and pre.get("use_regex", True)):
+        return False
+    if spec.get("normalizer") not in (None, {"type": "NFC"}):
+        return False
+    for added in spec.get("added_tokens", []):
+        if "\n" in added["content"] or added.get("lstrip") or added.get("rstrip"):
+            return False
+    return True
+
+
+def cut_text(text: str, target: int = _PIECE_CHARS) -> list[str]:
+    """Cut a long text into pieces of about `target` characters at safe cut points only."""
+    if len(text) <= 2 * target:
+        return [text]
+    pieces, start = [], 0
+    while len(text) - start > 2 * target:
+        match = _SAFE_CUT.search(text, start + target)
+        if match is None:
+            break
+        pieces.append(text[start:match.start()])
+        start = match.start()
+    pieces.append(text[start:])
+    return pieces
+
+
+class DocumentEncoder:
+    """Encodes whole documents to id arrays, with BOS/EOS as configured.
+
+    Special-token strings inside the text are encoded as plain text by default, so a document
+    cannot inject a boundary or control token.
+    """
+
+    def __init__(self, tokenizer_json: str, *, bos_id: int | None, eos_id: int | None,
+                 dtype: np.dtype, special_tokens_as_text: bool = True, cut: bool | None = None,
+                 piece_chars: int = _PIECE_CHARS):
+        self.tok = Tokenizer.from_str(tokenizer_json)
+        self.tok.no_truncation()
+        self.tok.no_padding()
+        self.tok.encode_special_tokens = special_tokens_as_text
+        self.bos_id, self.eos_id, self.dtype = bos_id, eos_id, np.dtype(dtype)
+        self.cut = can_cut_safely(self.tok) if cut is None else cut
+        self.piece_chars = piece_chars
+
+    def encode(self, texts: Sequence[str]) -> list[np.ndarray]:
+        pieces: list[str] = []
+        counts: list[int] = []
+        for text in texts:
+            parts = cut_text(text, self.piece_chars) if self.cut else [text]
+            pieces.extend(parts)
+            counts.append(len(parts))
+        encodings = self.tok.encode_batch_fast(pieces, add_special_tokens=False) \
+            if hasattr(self.tok, "encode_batch_fast") else \
+            self.tok.encode_batch(pieces, add_special_tokens=False)
+        out, i = [], 0
+        head = [] if self.bos_id is None else [self.bos_id]
+        tail = [] if self.eos_id is None else [self.eos_id]
+        for n in counts:
+            ids: list[int] = list(head)
+            for enc in encodings[i:i + n]:
+                ids.extend(enc.ids)
+            ids.extend(tail)
+            out.append(np.asarray(ids, dtype=self.dtype))
+            i += n
+        return out
+

@@ -1,0 +1,148 @@
+"""Check a whole cache: the manifest, the stream order, and every file against its checksum.
+
+``torchcache verify`` and :func:`torchcache.repair_cache` use :func:`check_cache`. It reads the
+files directly (through :mod:`torchcache.read.cache_files`), not through a TokenCache, so that it also
+sees the pending blocks of an unfinished build and can report every problem, not just the first.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from ..format import blocks as fmt
+from ..read.cache_files import (CacheFiles, check_block_file, load_keys, load_offsets, locate_cache,
+                          max_file_sizes)
+from ..errors import CacheFormatError
+from ..format.ledger import HEAD_NAME, INDEX_DIR, BlockTable, lost_head, read_manifest, stored_index
+from ..format.tokenizer import check_cache_tokenizer
+
+__all__ = ["Problem", "check_cache", "verify_cache"]
+
+
+@dataclass(frozen=True)
+class Problem:
+    """One problem found by :func:`check_cache`.
+
+    `entry` is the index of the damaged block entry in ``manifest["blocks"] +
+    manifest.get("pending", [])`` (None for a cache-wide problem: the manifest itself, the stream
+    order); `file` is the damaged file's path relative to the cache directory.
+
+    >>> for problem in tc.check_cache("runs/quickstart/cache"):  # doctest: +SKIP
+    ...     print(problem.file, problem.message)
+    """
+
+    message: str
+    entry: int | None = None
+    file: str | None = None
+
+
+def check_cache(path: str | os.PathLike, storage_options: dict[str, Any] | None = None,
+                local_dir: str | None = None) -> list[Problem]:
+    """Check a whole cache: the manifest, the stream order, every file's checksum, and for intact
+    files their headers, offsets and keys against the manifest. An empty list means all is well.
+
+    For a remote cache, files are checked as they are copied locally (a bad one is reported).
+    A directory without a manifest raises FileNotFoundError (it is not a cache).
+
+    >>> problems = tc.check_cache("runs/quickstart/cache")  # doctest: +SKIP
+    >>> damaged = {p.file for p in problems if p.entry is not None}  # doctest: +SKIP
+    """
+    url = os.fspath(path)
+    try:
+        source = locate_cache(url, storage_options, local_dir)
+        lost = lost_head(source.metadata)
+        if lost is not None:
+            return _check_without_head(source, lost)
+        manifest = read_manifest(source.metadata, check_order=False)
+    except CacheFormatError as e:
+        return [Problem(str(e), None, fmt.MANIFEST_NAME)]
+    problems = []
+    order = fmt.stream_order_problem(manifest)
+    if order is not None:
+        problems.append(Problem(f"{source.url}/{fmt.MANIFEST_NAME}: {order}; the manifest was edited "
+                                "or corrupted (restore it or rebuild the cache)", None, fmt.MANIFEST_NAME))
+    entries = manifest["blocks"] + manifest.get("pending", [])
+    problems.extend(_check_tokenizer(source, manifest["spec"], bool(entries)))
+    dtype = fmt.DTYPES[manifest["spec"]["dtype"]]
+    for k, entry in enumerate(entries):
+        problems.extend(_check_entry(source, k, entry, dtype))
+    return problems
+
+
+def _check_without_head(source: CacheFiles, lost: str) -> list[Problem]:
+    """A cache whose head.json is lost: that, and the files of every block its index holds."""
+    problems = [Problem(lost, None, HEAD_NAME)]
+    try:
+        manifest, records = stored_index(source.metadata)
+    except CacheFormatError as e:
+        return problems + [Problem(str(e), None, INDEX_DIR)]
+    table = BlockTable(records)
+    problems.extend(_check_tokenizer(source, manifest["spec"], len(table) > 0))
+    dtype = fmt.DTYPES[manifest["spec"]["dtype"]]
+    for b in range(len(table)):
+        problems.extend(_check_entry(source, b, table.entry(b), dtype))
+    return problems
+
+
+def _check_tokenizer(source: CacheFiles, spec: dict[str, Any], committed: bool) -> list[Problem]:
+    """tokenizer.json must be the tokenizer the spec names (by fingerprint); it may be missing
+    only before the first block is committed (the builder writes it before any block)."""
+    if spec["tokenizer"] is None:
+        return []
+    rel, expected = fmt.TOKENIZER_NAME, spec["tokenizer"]["fingerprint"]
+    where = f"{source.url}/{rel}"
+    try:
+        check_cache_tokenizer(fmt.read_capped_file(source.metadata, rel, fmt.MAX_TOKENIZER_BYTES),
+                              expected, where)
+    except FileNotFoundError:
+        if not committed:
+            return []
+        return [Problem(f"{where}: missing; restore the tokenizer.json the cache was built with "
+                        f"(fingerprint {expected})", None, rel)]
+    except CacheFormatError as e:
+        return [Problem(str(e), None, rel)]
+    return []
+
+
+def _check_entry(source: CacheFiles, k: int, entry: dict[str, Any], dtype: np.dtype) -> list[Problem]:
+    """Problems of one block entry's files: checksums first, then (if intact) their contents."""
+    files = [(entry["path"], entry["checksum"]), (entry["offsets"], entry["offsets_checksum"])]
+    if "keys" in entry:
+        files.append((entry["keys"], entry["keys_checksum"]))
+    problems, opened = [], []
+    try:
+        for (rel, checksum), max_size in zip(files, max_file_sizes(entry)):
+            try:
+                opened.append(source.open(rel, checksum, verify=True, max_size=max_size))
+            except CacheFormatError as e:
+                problems.append(Problem(str(e), k, rel))
+        if problems:
+            return problems
+        checks = [lambda fd, path: check_block_file(fd, path, dtype, entry["num_tokens"], entry["size"]),
+                  lambda fd, path: load_offsets(fd, path, entry["num_documents"], entry["num_tokens"]),
+                  lambda fd, path: load_keys(fd, path, entry["num_documents"])]
+        for (rel, _), (path, fd), check in zip(files, opened, checks):
+            try:
+                check(fd, path)
+            except CacheFormatError as e:
+                problems.append(Problem(str(e), k, rel))
+        return problems
+    finally:
+        for _, fd in opened:
+            os.close(fd)
+
+
+def verify_cache(path: str | os.PathLike, storage_options: dict[str, Any] | None = None,
+                 local_dir: str | None = None) -> list[str]:
+    """Recompute every checksum and header check; return one message per problem (empty = ok).
+
+    Each message names the file; :func:`check_cache` gives the same as structured Problems.
+
+    >>> tc.verify_cache("runs/quickstart/cache")  # doctest: +SKIP
+    []
+    """
+    return [p.message for p in check_cache(path, storage_options, local_dir)]

@@ -1,0 +1,279 @@
+"""The per-input work of a build: tokenize one input into blocks, reporting typed events.
+
+This is the one work function every executor runs (inline, in a process pool, or as Ray tasks).
+It writes each block durably before reporting it; the coordinator (`commit`) decides when a
+block becomes visible. It never touches the manifest.
+"""
+
+from __future__ import annotations
+
+import pickle
+import traceback
+from dataclasses import dataclass, field
+from typing import Any, Callable, Iterable, Iterator, Union
+
+import numpy as np
+
+from ..format import blocks as fmt
+from ..errors import BuildError, InputError
+from .inputs import iter_records, iter_strings
+from .records import BadRecord, InputSource, Record, raise_or_count
+from ..format.storage import Storage
+from .tokenizing import DocumentEncoder
+
+_BATCH_CHARS = 4 << 20
+_BATCH_DOCS = 1024
+
+
+@dataclass(frozen=True)
+class BuildJob:
+    """Everything a worker needs for one build (picklable, small)."""
+
+    output: Storage
+    tokenizer_json: str | None  # None: inputs hold token ids already (webdataset conversion)
+    bos_id: int | None
+    eos_id: int | None
+    dtype: str
+    text_key: str
+    block_tokens: int
+    on_error: str
+    special_tokens_as_text: bool
+    storage_options: dict = field(default_factory=dict)
+    vocab_size: int | None = None
+
+
+# ---------------------------------------------------------------- events a worker reports
+
+@dataclass(frozen=True)
+class BlockWritten:
+    """A block is on disk. `progress` is the input's resume point as of the end of the block
+    (records consumed, skip counts, blocks, digest)."""
+
+    input: int
+    entry: dict[str, Any]
+    progress: dict[str, Any]
+
+
+@dataclass(frozen=True)
+class Progress:
+    """Bytes of the input read so far, and the tokens made since the last report."""
+
+    input: int
+    position: int
+    tokens: int
+
+
+@dataclass(frozen=True)
+class InputDone:
+    """The input is fully built; `progress` is its final resume point."""
+
+    input: int
+    progress: dict[str, Any]
+
+
+@dataclass(frozen=True)
+class WorkerFailed:
+    """Building the input failed. `kind`: "input" (a bad record: an InputError), "os" (an I/O
+    error, one line) or "crash" (a bug, with its traceback). `error` is the exception itself
+    and `cause` its cause, when they survive pickling, so that the coordinator raises the same
+    exception an inline build would (None: only `message` made it)."""
+
+    input: int
+    kind: str
+    message: str
+    error: BaseException | None = None
+    cause: BaseException | None = None
+
+
+class WorkerTraceback(Exception):
+    """Where a worker process raised: the traceback, as text, chained under the error."""
+
+
+def worker_failed(index: int, error: Exception) -> WorkerFailed:
+    """The event that reports `error`, raised while building input `index` in a worker."""
+    cause: BaseException | None = error.__cause__
+    if isinstance(error, InputError):
+        kind, message = "input", str(error)
+    elif isinstance(error, OSError):  # a full disk, a lost connection...: one line, no traceback
+        kind, message = "os", f"{type(error).__name__}: {error}"
+    else:  # a bug: reported with its traceback
+        cause = WorkerTraceback(traceback.format_exc())
+        kind, message = "crash", f"{type(error).__name__}: {error}\n{cause}"
+    return WorkerFailed(index, kind, message, _portable(error), _portable(cause))
+
+
+def _portable(error: BaseException | None) -> BaseException | None:
+    """`error` if it comes back from pickling as the same type with the same message, else None
+    (some libraries' exceptions cannot be rebuilt from their pickle; their message still is)."""
+    if error is None:
+        return None
+    try:
+        again = pickle.loads(pickle.dumps(error))
+    except Exception:  # noqa: BLE001 - any failure to round-trip: the message stands in for it
+        return None
+    return again if type(again) is type(error) and str(again) == str(error) else None
+
+
+def raise_failure(event: WorkerFailed, input_path: str) -> None:
+    """Raise what the worker raised (its own type and message, chained to its cause), as an
+    inline build would have; an error that could not travel becomes an InputError or a
+    BuildError carrying its message."""
+    if event.error is not None:
+        raise event.error from event.cause
+    if event.kind == "input":
+        raise InputError(event.message)
+    raise BuildError(f"building input {input_path} failed: {event.message}")
+
+
+Event = Union[BlockWritten, Progress, InputDone, WorkerFailed]
+
+
+# ---------------------------------------------------------------- the work function
+
+def build_input(job: BuildJob, index: int, source: InputSource | Iterable[str],
+                start: dict[str, Any]) -> Iterator[Event]:
+    """Tokenize input `index` from its resume point `start`; yield its events in order."""
+    encode = _document_encoder(job)
+    skipped = dict(start["skipped"])
+    records = start["records"]
+    block_no = start["blocks"]
+    digest = start.get("digest")  # None for caches built before inputs were identified by content
+    if isinstance(source, InputSource):
+        stream = iter_records(source, job.text_key, records, job.on_error, job.storage_options,
+                              tokens=job.tokenizer_json is None, start_digest=digest)
+    else:
+        stream = iter_strings(source, records, job.on_error, start_digest=digest,
+                              output=job.output.url)
+    docs: list[np.ndarray] = []
+    keys: list[str | None] = []
+    doc_tokens = 0
+    # the input's resume point as of the last document: record number, skip counts, content hash
+    last: tuple[int, dict[str, int], str | None] = (records, dict(skipped), digest)
+
+    def flush() -> BlockWritten:
+        nonlocal docs, keys, doc_tokens, block_no
+        entry = _write_block(job, index, block_no, docs, keys)
+        block_no += 1
+        docs, keys, doc_tokens = [], [], 0
+        upto, counts, upto_digest = last
+        return BlockWritten(index, entry, {"records": upto, "skipped": dict(counts),
+                                           "blocks": block_no, "digest": upto_digest})
+
+    batches = _Batches(stream, skipped, _token_checker(job, source), job.on_error)
+    for batch in batches:
+        encoded = encode([r for r, _ in batch])
+        for (record, counts), ids in zip(batch, encoded):
+            if docs and doc_tokens + len(ids) > job.block_tokens:
+                yield flush()
+            docs.append(ids)
+            keys.append(record.key)
+            doc_tokens += len(ids)
+            last = (record.number, counts, record.digest)
+            if doc_tokens >= job.block_tokens:
+                yield flush()
+        yield Progress(index, batch[-1][0].position, int(sum(len(x) for x in encoded)))
+    if docs:
+        yield flush()
+    end = (batches.last_number, batches.last_digest) if batches.last_number > records else (records, digest)
+    done = {"records": end[0], "skipped": skipped, "blocks": block_no, "digest": end[1]}
+    if isinstance(source, InputSource) and source.stamp is not None:  # the version it read
+        done["stamp"] = source.stamp
+    yield InputDone(index, done)
+
+
+def _document_encoder(job: BuildJob) -> Callable[[list[Record]], list[np.ndarray]]:
+    """Records -> token arrays: the tokenizer for text, BOS/EOS added to pre-tokenized ids."""
+    if job.tokenizer_json is not None:
+        encoder = DocumentEncoder(job.tokenizer_json, bos_id=job.bos_id, eos_id=job.eos_id,
+                                  dtype=np.dtype(job.dtype),
+                                  special_tokens_as_text=job.special_tokens_as_text)
+        return lambda records: encoder.encode([r.text for r in records])
+    head = [] if job.bos_id is None else [job.bos_id]
+    tail = [] if job.eos_id is None else [job.eos_id]
+
+    def wrap(records: list[Record]) -> list[np.ndarray]:
+        return [np.concatenate([np.asarray(head, dtype=job.dtype), r.tokens.astype(job.dtype),
+                                np.asarray(tail, dtype=job.dtype)]) for r in records]
+    return wrap
+
+
+def _token_checker(job: BuildJob, source: Any) -> Callable[[Record], tuple[str, BadRecord] | None]:
+    """For pre-tokenized records: (where, why) if ids fall outside the vocabulary, else None."""
+    limit = job.vocab_size if job.vocab_size is not None else np.iinfo(np.dtype(job.dtype)).max + 1
+
+    def check(record: Record) -> tuple[str, BadRecord] | None:
+        ids = record.tokens
+        if ids is None or not len(ids):
+            return None
+        low, high = int(ids.min()), int(ids.max())
+        if low >= 0 and high < limit:
+            return None
+        bad = low if low < 0 else high
+        return (f"{getattr(source, 'path', source)}: sample {record.key!r}",
+                BadRecord("bad_tokens", f"token id {bad} is outside the vocabulary [0, {limit}); "
+                                        "pass the right vocab_size"))
+    return check
+
+
+class _Batches:
+    """Groups non-empty documents into batches and counts skipped and empty records.
+
+    Each document comes with a snapshot of the skip counts as of its record, so a block can
+    record the input's exact resume point.
+    """
+
+    def __init__(self, stream: Iterator[Record], skipped: dict[str, int],
+                 check: Callable[[Record], tuple[str, BadRecord] | None], on_error: str = "raise"):
+        self.stream, self.skipped = stream, skipped
+        self.last_number, self.last_digest = 0, None  # of the last record read, kept or not
+        self.check, self.on_error = check, on_error
+
+    def _count(self, reason: str) -> None:
+        self.skipped[reason] = self.skipped.get(reason, 0) + 1
+
+    def __iter__(self) -> Iterator[list[tuple[Record, dict[str, int]]]]:
+        batch, chars = [], 0
+        try:
+            for record in self.stream:
+                self.last_number, self.last_digest = record.number, record.digest
+                content = record.text if record.tokens is None else record.tokens
+                if content is None:
+                    self._count(record.problem)
+                    continue
+                if not len(content):
+                    self._count("empty")
+                    continue
+                problem = self.check(record)
+                if problem is not None:
+                    self._count(raise_or_count(*problem, self.on_error))
+                    continue
+                batch.append((record, dict(self.skipped)))
+                chars += len(content)
+                if chars >= _BATCH_CHARS or len(batch) >= _BATCH_DOCS:
+                    yield batch
+                    batch, chars = [], 0
+        except InputError:
+            if batch:  # let the blocks completed before the bad record be committed first
+                yield batch
+            raise
+        if batch:
+            yield batch
+
+
+def _write_block(job: BuildJob, index: int, block_no: int, docs: list[np.ndarray],
+                 keys: list[str | None]) -> dict[str, Any]:
+    tokens = np.concatenate(docs).astype(job.dtype, copy=False)
+    offsets = np.zeros(len(docs) + 1, dtype=np.int64)
+    np.cumsum([len(d) for d in docs], out=offsets[1:])
+    path = fmt.block_name(index, block_no)
+    meta = {"format": fmt.FORMAT_NAME, "version": fmt.BLOCK_FILE_VERSION}
+    block = fmt.write_tensor_file(job.output, path, "tokens", tokens, meta)
+    side = fmt.write_tensor_file(job.output, fmt.offsets_name(path), "offsets", offsets, meta)
+    entry = {"path": block.path, "checksum": block.checksum, "size": block.size,
+             "offsets": side.path, "offsets_checksum": side.checksum,
+             "num_tokens": int(len(tokens)), "num_documents": len(docs),
+             "input": index, "index": block_no}
+    if any(k is not None for k in keys):
+        written = fmt.write_keys_file(job.output, fmt.keys_name(path), keys)
+        entry.update(keys=written.path, keys_checksum=written.checksum)
+    return entry

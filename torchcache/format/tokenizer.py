@@ -1,0 +1,96 @@
+"""The tokenizer a cache stores: loading one, its canonical JSON and fingerprint, and loading a
+cache's copy back, refused unless it is the one the cache was built with."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from typing import Union
+
+from tokenizers import Tokenizer
+
+from ..errors import CacheFormatError
+
+TokenizerLike = Union[str, os.PathLike, Tokenizer]
+
+
+def load_tokenizer(tokenizer: TokenizerLike) -> Tokenizer:
+    """A private copy of the tokenizer with truncation and padding off (documents are never cut)."""
+    if isinstance(tokenizer, Tokenizer):
+        tok = Tokenizer.from_str(tokenizer.to_str())
+    elif isinstance(tokenizer, (str, os.PathLike)):
+        path = os.fspath(tokenizer)
+        if os.path.isdir(path):
+            path = os.path.join(path, "tokenizer.json")
+        try:
+            tok = Tokenizer.from_file(path)
+        except FileNotFoundError:
+            raise FileNotFoundError(f"tokenizer {path!r} does not exist; pass a tokenizer.json "
+                                    "path or a tokenizers.Tokenizer") from None
+        except Exception as e:
+            raise ValueError(f"tokenizer {path!r} could not be loaded as a tokenizer.json: {e}") from None
+    else:
+        raise TypeError(f"tokenizer must be a tokenizer.json path or a tokenizers.Tokenizer, "
+                        f"not {type(tokenizer).__name__}")
+    tok.no_truncation()
+    tok.no_padding()
+    return tok
+
+
+def canonical_json(tok: Tokenizer) -> str:
+    return json.dumps(json.loads(tok.to_str()), sort_keys=True, separators=(",", ":"))
+
+
+def tokenizer_fingerprint(tok: Tokenizer) -> str:
+    return "sha256:" + hashlib.sha256(canonical_json(tok).encode()).hexdigest()
+
+
+#: sha256 of a tokenizer.json's bytes -> its tokenizer fingerprint: a pure function, kept so that
+#: checking the same file again costs a hash of its bytes, not a parse and a canonical dump
+_FINGERPRINTS: dict[str, str] = {}
+_MAX_FINGERPRINTS = 8
+
+
+def cache_tokenizer(data: bytes, fingerprint: str, path: str) -> Tokenizer:
+    """The tokenizer a cache stores (its tokenizer.json bytes, read from `path`), refused unless
+    it is the one the cache was built with: its fingerprint must be the spec's `fingerprint`.
+
+    Another valid tokenizer would decode the cache's ids to other text without any error.
+    """
+    tok = _parse_cache_tokenizer(data, path)
+    _check_fingerprint(data, fingerprint, path, tok)
+    return tok
+
+
+def check_cache_tokenizer(data: bytes, fingerprint: str, path: str) -> None:
+    """:func:`cache_tokenizer`'s check alone (for verify): a CacheFormatError naming `path`
+    unless its bytes are the tokenizer the spec's `fingerprint` names."""
+    _check_fingerprint(data, fingerprint, path, None)
+
+
+def _parse_cache_tokenizer(data: bytes, path: str) -> Tokenizer:
+    try:
+        tok = Tokenizer.from_str(data.decode("utf-8"))
+    except Exception as e:  # the tokenizers library reports a bad file as a plain Exception
+        raise CacheFormatError(f"{path}: not a valid tokenizer.json ({e}); {_RESTORE}") from e
+    tok.no_truncation()
+    tok.no_padding()
+    return tok
+
+
+def _check_fingerprint(data: bytes, fingerprint: str, path: str, tok: Tokenizer | None) -> None:
+    digest = hashlib.sha256(data).hexdigest()
+    found = _FINGERPRINTS.get(digest)
+    if found is None:
+        found = tokenizer_fingerprint(tok if tok is not None else _parse_cache_tokenizer(data, path))
+        if len(_FINGERPRINTS) >= _MAX_FINGERPRINTS:
+            _FINGERPRINTS.clear()
+        _FINGERPRINTS[digest] = found
+    if found != fingerprint:
+        raise CacheFormatError(f"{path}: not the tokenizer the cache was built with: its fingerprint "
+                               f"is {found}, the manifest's spec says {fingerprint} (it would "
+                               f"decode the cache's token ids to other text); {_RESTORE}")
+
+
+_RESTORE = "restore the tokenizer.json the cache was built with"

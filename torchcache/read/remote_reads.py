@@ -1,0 +1,812 @@
+"""Reading a remote cache through a local copy of bounded size.
+
+:class:`torchcache.TokenCache` uses this when it is given a ``cache_limit``. A read is served from
+the local copy of its block when there is one (pread, as for a local cache); otherwise by a
+ranged request for just its bytes, or by copying the whole block first when the block is worth
+keeping. What is worth keeping comes from the *read plan*: the order in which this process will
+read (a :class:`ReadOrder`; :class:`torchcache.DistributedSampler` gives its rank's order to a
+:class:`torchcache.TokenDataset`, which hands it to the cache), looked at ``lookahead`` reads ahead.
+
+Policy (Belady with bypass, over the lookahead window):
+
+- **Fill.** While the copies are below the limit, a block that is read is copied whole (a copy
+  is downloaded once and then serves every later epoch).
+- **Evict the block needed last.** When room is needed, the victims are the copies whose next
+  planned read is furthest away (not in the window at all first, then by next use; ties: the
+  oldest copy first; without a plan: least recently opened first). A copy open in any process
+  of the machine is skipped (see :mod:`torchcache.read.local_copies`); a reader keeps at most a few
+  copies open, and closes those its plan does not read again within the window.
+- **Bypass unless it pays.** With the directory full, block ``b`` is copied only if the bytes
+  its planned reads in the window will take exceed its size plus the planned reads lost with
+  the victims, and only victims needed later than ``b`` are evicted; otherwise its reads are
+  ranged reads. A sequential or windowed order copies each block once; a full shuffle (each
+  block read ~uniformly over the epoch) keeps a stable set of copies and reads the rest by range,
+  which is the fewest bytes for that order: about the cache's size per epoch.
+- Without a plan: fill, then copy a block (evicting the least recently opened copies) only
+  after this process has read half its size by range within the last ``lookahead`` reads.
+
+Where a process is in its plan: each read is looked up in the plan's window (the first match
+after the process's last read: its reads only move forward), so a DataLoader worker, whose copy
+of the sampler stays where it was when the worker started, finds its place by itself; a
+sampler moved in the main process (a new ``iter()``, a resume) re-anchors the plan there.
+
+Read-ahead: after each read the reader looks at its own next ``readahead`` planned reads (in a
+DataLoader worker, the batches torch will send to that worker: every ``num_workers``-th batch,
+up to the end of the loader epoch, where non-persistent workers exit) and starts, on a pool of
+``fetch_threads`` threads, the block copies the policy admits and ranged reads for the rest, so
+remote requests overlap training.
+
+Trust: whole-block copies are verified by checksum, named by it, and checked again when reused
+(:mod:`torchcache.read.local_copies`). A ranged read cannot be checked by itself (the index has one
+checksum per file), so it is pinned instead: the first time the machine sees a version (ETag) of
+a block's object, that version is downloaded whole once and checked against the committed
+checksum (:func:`~torchcache.read.local_copies.pin_verified`); every ranged read of the block then
+asks for exactly that version (S3: If-Match), so a block changed on the store after commit is
+a CacheFormatError naming its URL, never other bytes.
+:meth:`BoundedReader.stats` reports bytes downloaded, whole-block copies, ranged reads, hits
+(reads served by local copies), misses, and evictions, summed over the DataLoader workers of
+the session.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import threading
+import weakref
+from collections import OrderedDict
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Any
+
+import numpy as np
+
+from .cache_files import CacheFiles, check_block_file, pread_fully
+from ..errors import CacheFormatError
+from .local_copies import (BUSY, EXISTS, REFUSED, LocalCopies, Resident, SessionStats, copy_name,
+                           fetch_verified, pin_verified, read_pinned)
+from ..format.storage import ObjectChangedError, PinnedObject
+
+__all__ = ["ArrayReads", "BoundedReader", "ReadOrder", "SamplerReads"]
+
+_MAX_OPEN_COPIES = 4  # block copies a reader keeps open (and so protected from eviction)
+_MAX_PINS = 1024  # remote block objects a reader keeps pinned (one metadata request each)
+_SNAPSHOT_EVERY = 32  # reads the cursor moves (at least) before the next-use table is recomputed
+_NEVER = np.iinfo(np.int64).max
+
+
+# ---------------------------------------------------------------- read orders
+
+class ReadOrder:
+    """The token ranges one process will read, in order: read ``k`` is tokens
+    ``[s, s + length)`` with ``s = starts(k, k + 1)[0]``.
+
+    Give one to :meth:`torchcache.TokenCache.plan_reads` to tell a remote cache with a
+    ``cache_limit`` what comes next (it fetches ahead and keeps the blocks needed soonest).
+    :class:`torchcache.DistributedSampler` does this by itself for a
+    :class:`torchcache.TokenDataset`; write one for a custom sampler. An order is pickled into
+    DataLoader workers with the cache, so keep it small; each worker finds where it is in the
+    order from the reads it makes.
+
+    >>> class EveryTenth(ReadOrder):  # windows 0, 10, 20, ... of 2048 + 1 tokens
+    ...     length = 2049
+    ...     def starts(self, k0, k1):
+    ...         return np.arange(k0, k1, dtype=np.int64) * 10 * 2048
+    >>> EveryTenth().starts(0, 3)
+    array([    0, 20480, 40960])
+    >>> cache.plan_reads(EveryTenth())  # doctest: +SKIP
+    """
+
+    length: int = 0
+
+    def starts(self, k0: int, k1: int) -> np.ndarray:
+        """Token starts (int64) of reads ``k0 .. k1 - 1``; fewer where the order ends."""
+        raise NotImplementedError
+
+    def anchor(self) -> tuple[int, Any]:
+        """(number of the next read, version). The cache looks reads up from there, and again
+        from the new anchor whenever the version changes (the reader was moved: resume)."""
+        return 0, None
+
+    def pass_end(self, k: int) -> int | None:
+        """The read number where the pass holding read ``k`` ends (a loader epoch: DataLoader
+        workers, which exit there, fetch nothing past it), or None."""
+        return None
+
+
+class ArrayReads(ReadOrder):
+    """A finite plan: reads of ``length`` tokens at the given token ``starts``, in order.
+
+    >>> ArrayReads([0, 4096, 8192], 2049).starts(1, 5)
+    array([4096, 8192])
+    """
+
+    def __init__(self, starts: Any, length: int):
+        self._starts = np.asarray(starts, dtype=np.int64).reshape(-1)
+        self.length = int(length)
+
+    def starts(self, k0: int, k1: int) -> np.ndarray:
+        return self._starts[k0:k1]
+
+
+class SamplerReads(ReadOrder):
+    """The windows a :class:`torchcache.DistributedSampler`'s rank reads from a
+    :class:`torchcache.TokenDataset` of ``seq_len``: read ``k`` is global stream position
+    ``first + k * world_size``, the sampler's own index for it, times ``seq_len``.
+
+    It asks the sampler only for pure functions of positions (``indices_for_positions``), so
+    the copy in a DataLoader worker computes the same order without talking to the main process.
+
+    >>> sampler = tc.DistributedSampler(ds, seed=0)  # doctest: +SKIP
+    >>> SamplerReads(sampler, ds.seq_len).starts(0, 4)  # doctest: +SKIP
+    array([ 958464, 1257472,   38912, 2146304])
+    """
+
+    def __init__(self, sampler: Any, seq_len: int):
+        self.sampler, self.seq_len, self.length = sampler, int(seq_len), int(seq_len) + 1
+        self._first = sampler.rank
+
+    def anchor(self) -> tuple[int, Any]:
+        sampler = self.sampler
+        position = sampler.position + sampler.rank
+        self._first = position % sampler.world_size
+        return position // sampler.world_size, (sampler.position_version, self._first)
+
+    def pass_end(self, k: int) -> int | None:
+        sampler = self.sampler
+        size = sampler.epoch_size
+        if sampler.infinite or size is None:
+            return None
+        W = sampler.world_size
+        end = ((self._first + W * k) // size + 1) * size  # the end of that loader epoch
+        return -(-(end - self._first) // W)
+
+    def starts(self, k0: int, k1: int) -> np.ndarray:
+        sampler = self.sampler
+        positions = self._first + sampler.world_size * np.arange(k0, k1, dtype=np.int64)
+        stop = sampler.stop_position
+        if stop is not None:
+            positions = positions[positions < stop]
+        try:
+            return sampler.indices_for_positions(positions) * self.seq_len
+        except ValueError:  # beyond the committed windows of a growing cache: the plan ends here
+            return np.empty(0, dtype=np.int64)
+
+
+class _Plan:
+    """A window of a ReadOrder around this process's position in it: the reads' token starts,
+    a lookup from a read back to its number, and each block's next use and count of uses."""
+
+    def __init__(self, order: ReadOrder, lookahead: int):
+        self.order, self.length, self.lookahead = order, int(order.length), lookahead
+        # after (re)anchoring, reads this far before the anchor are still recognised (a main
+        # process's sampler runs a few batches ahead of the reads)
+        self.back = max(64, min(1024, lookahead // 8))
+        self.version: Any = None
+        self.cursor = -1  # the furthest read made so far
+        self.lower = 0  # the first read number a lookup accepts
+        self.lo = self.hi = 0
+        self.starts = np.empty(0, dtype=np.int64)
+        self._sorted = self._sorted_k = self.starts
+        self._ended = False
+        self._snap: tuple | None = None
+
+    def anchor(self, token_starts: np.ndarray) -> None:
+        k, self.version = self.order.anchor()
+        self.cursor = int(k) - 1
+        self.lower = max(0, int(k) - self.back)
+        self._ended = False
+        self._fill(token_starts)
+
+    def _fill(self, token_starts: np.ndarray) -> None:
+        lo = max(0, min(self.lower, self.cursor + 1 - self.back))
+        want = self.cursor + 1 + self.lookahead + self.lookahead // 2 - lo
+        starts = np.asarray(self.order.starts(lo, lo + want), dtype=np.int64).reshape(-1)
+        valid = (starts >= 0) & (starts + self.length <= int(token_starts[-1]))
+        if not valid.all():  # the order leaves the committed stream: the plan ends there
+            starts = starts[:int(np.argmin(valid))]
+        self._ended = len(starts) < want
+        self.lo, self.hi, self.starts = lo, lo + len(starts), starts
+        order = np.argsort(starts, kind="stable")
+        self._sorted, self._sorted_k = starts[order], lo + order
+        self._snap = None
+
+    def start(self, k: int) -> int:
+        return int(self.starts[k - self.lo])
+
+    def locate(self, starts: np.ndarray) -> np.ndarray:
+        """The read number of each of ``starts``: the first one after the last read this process
+        made (a process's reads only move forward; a window longer than an epoch holds each
+        sample several times), or -1 where it is not in the window."""
+        found = np.full(len(starts), -1, dtype=np.int64)
+        n = len(self._sorted)
+        if n == 0:
+            return found
+        lower = self.lower
+        pos = np.searchsorted(self._sorted, starts, side="left")
+        todo = np.ones(len(starts), dtype=bool)
+        for _ in range(8):  # one sample may appear in two epochs of a long window
+            inside = todo & (pos < n)
+            at = np.minimum(pos, n - 1)
+            match = inside & (self._sorted[at] == starts)
+            k = self._sorted_k[at]
+            good = match & (k >= lower)
+            found[good] = k[good]
+            todo = match & ~good
+            if not todo.any():
+                break
+            pos = pos + 1
+        return found
+
+    def advance(self, k: int, token_starts: np.ndarray) -> None:
+        if k > self.cursor:
+            self.cursor = k
+        self.lower = self.cursor + 1
+        if not self._ended and self.hi - self.cursor <= self.lookahead:
+            self._fill(token_starts)
+
+    def snapshot(self, token_starts: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """(blocks, first use, uses) over the next ``lookahead`` reads, blocks sorted; an
+        immutable value other threads may read."""
+        snap = self._snap
+        every = max(_SNAPSHOT_EVERY, self.lookahead // 64)
+        if snap is not None and self.cursor - snap[3] < every and snap[4] == len(token_starts):
+            return snap[:3]
+        a = max(0, self.cursor + 1 - self.lo)
+        starts = self.starts[a:a + self.lookahead]
+        ks = np.arange(self.lo + a, self.lo + a + len(starts), dtype=np.int64)
+        b0 = np.searchsorted(token_starts, starts, side="right") - 1
+        b1 = np.searchsorted(token_starts, starts + (self.length - 1), side="right") - 1
+        two = b1 != b0
+        blocks = np.concatenate([b0, b1[two]])
+        reads = np.concatenate([ks, ks[two]])
+        order = np.lexsort((reads, blocks))
+        blocks, first_at, counts = np.unique(blocks[order], return_index=True, return_counts=True)
+        first = reads[order][first_at]
+        self._snap = (blocks, first, counts, self.cursor, len(token_starts))
+        return blocks, first, counts
+
+
+def _lookup(snapshot: tuple[np.ndarray, np.ndarray, np.ndarray], blocks: np.ndarray
+            ) -> tuple[np.ndarray, np.ndarray]:
+    """(next use, uses) of each of ``blocks`` in a snapshot (never / 0 where absent)."""
+    known, first, counts = snapshot
+    blocks = np.asarray(blocks, dtype=np.int64)
+    if not len(known):
+        return np.full(len(blocks), _NEVER, dtype=np.int64), np.zeros(len(blocks), dtype=np.int64)
+    pos = np.minimum(np.searchsorted(known, blocks), len(known) - 1)
+    hit = known[pos] == blocks
+    return np.where(hit, first[pos], _NEVER), np.where(hit, counts[pos], 0)
+
+
+# ---------------------------------------------------------------- the reader
+
+_READERS: "weakref.WeakSet[BoundedReader]" = weakref.WeakSet()
+
+
+class BoundedReader:
+    """Reads of one remote cache (in one process) under a ``limit`` on its local copies.
+
+    Made by :class:`torchcache.TokenCache` for a remote cache with ``cache_limit``; the cache
+    calls :meth:`read_many` with its current block table.
+    """
+
+    def __init__(self, files: CacheFiles, limit: int, itemsize: int, *, fetch_threads: int,
+                 readahead: int, lookahead: int, stats: SessionStats):
+        self.url, self.remote, self.root = files.url, files.remote, files.root
+        self.limit, self.itemsize, self.fetch_threads = limit, itemsize, fetch_threads
+        self.readahead, self.lookahead = readahead, lookahead
+        self.stats_counter = stats
+        self.order: ReadOrder | None = None
+        self.copies = LocalCopies(self.root, limit)
+        self._init_process_state()
+        _READERS.add(self)
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {"url": self.url, "remote": self.remote, "root": self.root, "limit": self.limit,
+                "itemsize": self.itemsize, "fetch_threads": self.fetch_threads, "readahead": self.readahead,
+                "lookahead": self.lookahead, "stats_counter": self.stats_counter,
+                "order": self.order}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+        self.copies = LocalCopies(self.root, self.limit)
+        self._init_process_state()
+        _READERS.add(self)
+
+    def _init_process_state(self) -> None:
+        """What never crosses a process boundary: threads, descriptors, buffers, the plan."""
+        self._mu = threading.Lock()
+        self._pool: ThreadPoolExecutor | None = None
+        self._fds: OrderedDict[int, tuple[int, int, str]] = OrderedDict()  # block -> (fd, data start, path)
+        self._rows: dict[int, tuple[int, Future, int]] = {}  # token start -> (read, future, length)
+        self._blocks: dict[int, Future] = {}  # block copies in flight
+        self._plan: _Plan | None = None
+        self._batch: tuple[int, int] | None = None  # (first read, reads) of the last call
+        self._pumped = -1
+        self._workers: int | None = None
+        self._reads = 0
+        self._refused: dict[int, int] = {}  # block -> read count until which it is not retried
+        self._recent: dict[int, list[int]] = {}  # block -> [ranged bytes, read count], for LRU mode
+        self._free: int | None = None  # room left at the last reservation (a hint)
+        self._keys: tuple[int, np.ndarray, np.ndarray] | None = None
+        self._pins: OrderedDict[tuple[str, str], PinnedObject] = OrderedDict()
+
+    def _after_fork(self) -> None:
+        for fd, _, _ in self._fds.values():  # the child's duplicates; the parent keeps its locks
+            os.close(fd)
+        self._init_process_state()
+
+    def close(self) -> None:
+        """Stop fetching ahead (waiting for the requests under way, so no download is left
+        half done) and close the open copies, releasing their locks."""
+        pool, self._pool = self._pool, None
+        if pool is not None:
+            pool.shutdown(wait=True, cancel_futures=True)
+        self._rows.clear()
+        self._blocks.clear()
+        fds, self._fds = self._fds, OrderedDict()
+        for fd, _, _ in fds.values():
+            os.close(fd)
+
+    def __del__(self) -> None:
+        for fd, _, _ in getattr(self, "_fds", {}).values():
+            try:
+                os.close(fd)
+            except OSError:
+                pass
+
+    def _executor(self) -> ThreadPoolExecutor:
+        if self._pool is None:
+            self._pool = ThreadPoolExecutor(self.fetch_threads, thread_name_prefix="torchcache-fetch")
+        return self._pool
+
+    def _num_workers(self) -> int:
+        """DataLoader workers reading this dataset (0 in the main process)."""
+        if self._workers is None:
+            # torch not imported means no DataLoader worker (and keeps build workers torch-free)
+            data = sys.modules.get("torch.utils.data")
+            info = data.get_worker_info() if data is not None else None
+            self._workers = info.num_workers if info is not None else 0
+        return self._workers
+
+    # ------------------------------------------------------------ plan
+    def set_order(self, order: ReadOrder | None) -> None:
+        self.order = order
+        self._plan, self._batch, self._pumped = None, None, -1
+        self._rows.clear()
+
+    def _track(self, token_starts: np.ndarray, starts: np.ndarray, length: int
+               ) -> tuple | None:
+        """Find this call's reads in the plan, move the cursor; the next-use snapshot."""
+        if self.order is None:
+            return None
+        plan = self._plan
+        if plan is None:
+            plan = self._plan = _Plan(self.order, self.lookahead)
+            plan.anchor(token_starts)
+            self._rows.clear()
+            self._pumped = -1
+        if length != plan.length:
+            return plan.snapshot(token_starts)
+        if self.order.anchor()[1] != plan.version:
+            plan.anchor(token_starts)  # the reader was moved (a new iter(), resume): look from there
+            self._pumped = -1  # (rows fetched ahead stay: they hold the right bytes whatever comes)
+        ks = plan.locate(starts)
+        found = ks[ks >= 0]
+        if found.size:
+            plan.advance(int(found.max()), token_starts)
+            self._batch = (int(found.min()), len(starts))
+        else:
+            self._batch = None
+        return plan.snapshot(token_starts)
+
+    # ------------------------------------------------------------ reading
+    def read_many(self, table: Any, dtype: np.dtype, starts: np.ndarray, length: int,
+                  out: np.ndarray) -> np.ndarray:
+        """Rows ``out[i]`` = tokens ``[starts[i], starts[i] + length)`` (checked by the caller)."""
+        token_starts = table.token_starts
+        item = dtype.itemsize
+        nbytes = length * item
+        flat = memoryview(out.reshape(-1).view(np.uint8))
+        self._reads += len(starts)
+        snapshot = self._track(token_starts, starts, length)
+        hits, waiting, remote = 0, [], []
+        for row, start in enumerate(starts.tolist()):
+            dest = flat[row * nbytes:(row + 1) * nbytes]
+            ahead = self._rows.pop(start, None) if self._rows else None
+            if ahead is not None and ahead[2] == length:
+                waiting.append((dest, ahead[1]))
+            elif self._read_local(table, dtype, start, length, dest):
+                hits += 1
+            else:
+                remote.append((start, dest))
+        if remote:
+            self._read_remote(table, dtype, remote, length, snapshot)
+        for dest, future in waiting:
+            dest[:] = future.result()
+        if snapshot is not None and self._fds:
+            self._release_unneeded(snapshot)
+        self._pump(table, dtype, snapshot)
+        self.stats_counter.add_many({"hits": hits, "misses": len(remote) + len(waiting),
+                                     "prefetched": len(waiting)})
+        self.stats_counter.flush()
+        return out
+
+    def _copy(self, table: Any, dtype: np.dtype, b: int) -> tuple[int, int, str] | None:
+        """(fd, data start, path) of the local copy of block b, opened and locked shared, or None."""
+        entry = self._fds.get(b)
+        if entry is not None:
+            self._fds.move_to_end(b)
+            return entry
+        checksum = table.checksum(b)
+        found = self.copies.open_copy(copy_name(table.path(b), checksum), checksum,
+                                      touch=self.order is None)
+        if found is None:
+            return None
+        path, fd = found
+        try:
+            tokens = int(table.token_starts[b + 1] - table.token_starts[b])
+            start = check_block_file(fd, path, dtype, tokens, table.size(b))
+        except BaseException:
+            os.close(fd)
+            raise
+        self._fds[b] = entry = (fd, start, path)
+        while len(self._fds) > _MAX_OPEN_COPIES:
+            _, (old, _, _) = self._fds.popitem(last=False)
+            os.close(old)  # releases its shared lock: it may be evicted now
+        return entry
+
+    def _release_unneeded(self, snapshot: tuple) -> None:
+        """Close the copies the plan does not read again within the window: open, they would be
+        kept from eviction for nothing."""
+        held = np.fromiter(self._fds, dtype=np.int64, count=len(self._fds))
+        next_use, _ = _lookup(snapshot, held)
+        for b in held[next_use == _NEVER].tolist():
+            fd, _, _ = self._fds.pop(b)
+            os.close(fd)
+
+    def _read_local(self, table: Any, dtype: np.dtype, start: int, length: int,
+                    dest: memoryview) -> bool:
+        """Read the row from local copies if all its blocks have one."""
+        token_starts = table.token_starts
+        item = dtype.itemsize
+        b = int(np.searchsorted(token_starts, start, side="right")) - 1
+        pos, stop = start, start + length
+        while pos < stop:
+            entry = self._copy(table, dtype, b)
+            if entry is None:
+                return False
+            base = int(token_starts[b])
+            end = min(stop, int(token_starts[b + 1]))
+            _pread_fully(entry[0], dest[(pos - start) * item:(end - start) * item],
+                         entry[1] + (pos - base) * item, entry[2])
+            pos = end
+            b += 1
+        return True
+
+    def _parts(self, token_starts: np.ndarray, start: int, length: int) -> list[tuple[int, int, int]]:
+        """(block, first, end) token offsets inside each block the range crosses."""
+        parts = []
+        b = int(np.searchsorted(token_starts, start, side="right")) - 1
+        pos, stop = start, start + length
+        while pos < stop:
+            base = int(token_starts[b])
+            end = min(stop, int(token_starts[b + 1]))
+            parts.append((b, pos - base, end - base))
+            pos = end
+            b += 1
+        return parts
+
+    def _byte_range(self, table: Any, item: int, b: int, lo: int, hi: int
+                    ) -> tuple[tuple[str, str, int], int, int]:
+        """((file, checksum, size), first byte, end byte) of tokens [lo, hi) of block b: a
+        block's tokens are the last ``tokens * itemsize`` bytes of its safetensors file."""
+        size = table.size(b)
+        data_start = size - int(table.token_starts[b + 1] - table.token_starts[b]) * item
+        if data_start < 8:
+            raise CacheFormatError(f"{self.url}/{table.path(b)}: the manifest gives a size too "
+                                   "small for its tokens (corrupted); run `torchcache verify`")
+        key = (table.path(b), table.checksum(b), size)
+        return key, data_start + lo * item, data_start + hi * item
+
+    def _read_remote(self, table: Any, dtype: np.dtype, rows: list[tuple[int, memoryview]],
+                     length: int, snapshot: tuple | None) -> None:
+        token_starts, item = table.token_starts, dtype.itemsize
+        jobs = []
+        for start, dest in rows:
+            offset = 0
+            for b, lo, hi in self._parts(token_starts, start, length):
+                part = dest[offset * item:(offset + hi - lo) * item]
+                offset += hi - lo
+                entry = self._copy(table, dtype, b) or self._obtain(table, dtype, b, snapshot)
+                if entry is not None:
+                    _pread_fully(entry[0], part, entry[1] + lo * item, entry[2])
+                    continue
+                jobs.append((part, self._byte_range(table, item, b, lo, hi)))
+                self._note_ranged(b, (hi - lo) * item)
+        if len(jobs) == 1:
+            part, (rel, a, z) = jobs[0]
+            part[:] = self._fetch_parts([(rel, a, z)])
+        elif jobs:
+            pool = self._executor()
+            futures = [(part, pool.submit(self._fetch_parts, [where])) for part, where in jobs]
+            for part, future in futures:
+                part[:] = future.result()
+
+    def _obtain(self, table: Any, dtype: np.dtype, b: int, snapshot: tuple | None
+                ) -> tuple[int, int, str] | None:
+        """Block b's copy after waiting for our download of it, or after copying it now if the
+        policy admits it; None: read it by range."""
+        future = self._blocks.get(b)
+        if future is not None:
+            copied = future.result()
+        elif self._admit(table, b, snapshot):
+            copied = self._fetch_block(b, table.path(b), table.size(b), table.checksum(b),
+                                       self._policy(table, b, snapshot))
+        else:
+            return None
+        return self._copy(table, dtype, b) if copied else None
+
+    # ------------------------------------------------------------ policy
+    def _admit(self, table: Any, b: int, snapshot: tuple | None) -> bool:
+        """Whether copying block b whole may pay (the reservation decides what to evict)."""
+        size = table.size(b)
+        if size > self.limit:
+            return False
+        until = self._refused.get(b)
+        if until is not None and until > self._reads:
+            return False
+        if self._free is None or self._free >= size:
+            return True  # fill
+        if snapshot is not None:
+            _, uses = _lookup(snapshot, np.array([b]))
+            return int(uses[0]) * self._row_bytes() > size
+        recent = self._recent.get(b)
+        return recent is not None and recent[1] >= self._reads - self.lookahead and 2 * recent[0] >= size
+
+    def _row_bytes(self) -> int:
+        """What one planned read served by a copy saves: its bytes, plus 1/16 for the request
+        (so that, bytes being equal, one request for a block beats one per read)."""
+        plan = self._plan
+        return plan.length * self.itemsize * 17 // 16 if plan is not None else 0
+
+    def _policy(self, table: Any, b: int | None, snapshot: tuple | None):
+        """The eviction order and budget for copying block b (None: for evict())."""
+        row_bytes = self._row_bytes()
+
+        def policy(residents: list[Resident]):
+            ids = self._block_ids(table, residents)
+            mtimes = np.array([r.mtime for r in residents], dtype=np.float64)
+            if snapshot is None:
+                order = np.argsort(mtimes, kind="stable")
+                return [(residents[i], 0.0) for i in order.tolist()], None
+            next_use, uses = _lookup(snapshot, ids)
+            next_use = np.where(ids < 0, _NEVER, next_use)
+            order = np.lexsort((mtimes, -next_use))  # furthest next use first, then oldest
+            if b is None:
+                return [(residents[i], 0.0) for i in order.tolist()], None
+            b_next, b_uses = _lookup(snapshot, np.array([b]))
+            budget = float(int(b_uses[0]) * row_bytes - table.size(b))
+            later = [i for i in order.tolist() if next_use[i] > b_next[0]]
+            return [(residents[i], float(uses[i]) * row_bytes) for i in later], budget
+        return policy
+
+    def _block_ids(self, table: Any, residents: list[Resident]) -> np.ndarray:
+        """Block number of each resident copy (-1 if not a committed block of the table)."""
+        with self._mu:
+            keys = self._keys
+            if keys is None or keys[0] != len(table):
+                records = table.records
+                key = (records["input"].astype(np.int64) << 32) | records["index"].astype(np.int64)
+                order = np.argsort(key, kind="stable")
+                keys = self._keys = (len(table), key[order], order)
+        _, sorted_keys, order = keys
+        wanted = np.empty(len(residents), dtype=np.int64)
+        for i, r in enumerate(residents):
+            input_index, block_index = r.rel.rsplit("/", 1)[-1].split(".", 1)[0].split("-")
+            wanted[i] = (int(input_index) << 32) | int(block_index)
+        if not len(sorted_keys):
+            return np.full(len(residents), -1, dtype=np.int64)
+        pos = np.minimum(np.searchsorted(sorted_keys, wanted), len(sorted_keys) - 1)
+        ids = np.where(sorted_keys[pos] == wanted, order[pos], -1)
+        for i, r in enumerate(residents):  # a copy of other bytes (stale) is no block's copy
+            b = int(ids[i])
+            if b >= 0 and r.rel != copy_name(table.path(b), table.checksum(b)):
+                ids[i] = -1
+        return ids
+
+    def _note_ranged(self, b: int, nbytes: int) -> None:
+        if self.order is not None:
+            return
+        recent = self._recent.get(b)
+        if recent is None or recent[1] < self._reads - self.lookahead:
+            recent = self._recent[b] = [0, 0]
+        recent[0] += nbytes
+        recent[1] = self._reads
+        if len(self._recent) > 8192:
+            old = self._reads - self.lookahead
+            self._recent = {k: v for k, v in self._recent.items() if v[1] >= old}
+
+    # ------------------------------------------------------------ fetching
+    def _fetch_block(self, b: int, rel: str, size: int, checksum: str, policy) -> bool:
+        """Copy block b whole if room can be made; True when a copy is there afterwards."""
+        copy = copy_name(rel, checksum)
+        status, reservation, used = self.copies.reserve(copy, size, policy)
+        if status == EXISTS:
+            return True
+        if status == BUSY:  # another process is copying it: wait for that copy
+            return self.copies.wait_for(copy)
+        if status == REFUSED:
+            with self._mu:
+                self._refused[b] = self._reads + max(1, self.lookahead // 4)
+                if len(self._refused) > 8192:
+                    self._refused = {k: v for k, v in self._refused.items() if v > self._reads}
+            self._free = self.limit - used
+            self.stats_counter.add("refused_copies")
+            self.stats_counter.flush()
+            return False
+        self._free = self.limit - used
+        try:
+            data = fetch_verified(self.remote, rel, checksum)
+        except BaseException:
+            reservation.abort()
+            raise
+        reservation.commit(data)
+        self.stats_counter.add_many({
+            "bytes_downloaded": len(data), "whole_block_downloads": 1, "whole_block_bytes": len(data),
+            "evictions": len(reservation.evicted),
+            "evicted_bytes": sum(r.size for r in reservation.evicted)})
+        self.stats_counter.flush()
+        return True
+
+    def _fetch_parts(self, parts: list[tuple[tuple[str, str, int], int, int]]) -> bytes:
+        """The bytes of one read, one ranged request per block it crosses (pinned to a
+        verified version of the block)."""
+        data = [self._ranged(key, a, z) for key, a, z in parts]
+        self.stats_counter.flush()
+        return data[0] if len(data) == 1 else b"".join(data)
+
+    def _ranged(self, key: tuple[str, str, int], a: int, z: int) -> bytes:
+        """Bytes [a, z) of a block's remote file, as committed: from its verified version."""
+        rel, checksum, _ = key
+        for _ in range(2):
+            pinned, whole = self._pin(key)
+            if whole is not None:  # downloaded whole to verify it: serve the read from it
+                return whole[a:z]
+            try:
+                data = read_pinned(pinned, a, z)
+            except ObjectChangedError:  # replaced since pinned: verify the new version
+                with self._mu:
+                    self._pins.pop((rel, checksum), None)
+                continue
+            self.stats_counter.add_many({"bytes_downloaded": len(data), "ranged_bytes": len(data),
+                                         "ranged_reads": 1})
+            return data
+        raise CacheFormatError(f"{self.url}/{rel}: replaced twice while being read: the "
+                               "remote cache changed after commit; rebuild or restore it, then "
+                               "open it again")
+
+    def _pin(self, key: tuple[str, str, int]) -> tuple[PinnedObject, bytes | None]:
+        """Block ``key``'s remote file pinned to a version verified against its checksum (and
+        its bytes when verifying it downloaded them now)."""
+        rel, checksum, size = key
+        with self._mu:
+            pinned = self._pins.get((rel, checksum))
+            if pinned is not None:
+                self._pins.move_to_end((rel, checksum))
+                return pinned, None
+        copy = self.copies.dir.path(copy_name(rel, checksum))
+        pinned, whole = pin_verified(self.remote, rel, checksum, size, copy)
+        if whole is not None:
+            self.stats_counter.add_many({"bytes_downloaded": len(whole),
+                                         "verified_bytes": len(whole)})
+        with self._mu:
+            self._pins[(rel, checksum)] = pinned
+            while len(self._pins) > _MAX_PINS:
+                self._pins.popitem(last=False)
+        return pinned, whole
+
+    def _pump(self, table: Any, dtype: np.dtype, snapshot: tuple | None) -> None:
+        """Start fetching this process's next ``readahead`` planned reads."""
+        plan, batch = self._plan, self._batch
+        if plan is None or batch is None or self.readahead <= 0:
+            return
+        if len(self._rows) >= self.readahead:
+            self._drop_stale_rows(plan)
+            if len(self._rows) >= self.readahead:
+                return
+        first, size = batch
+        workers = self._num_workers()
+        step = max(1, workers) * size  # this worker's next batch starts step reads later
+        horizon = min(plan.hi, plan.cursor + 1 + plan.lookahead // 2)  # keep what the policy sees
+        if workers:  # a worker exits at the end of the loader epoch (unless persistent)
+            end = self.order.pass_end(plan.cursor)
+            if end is not None:
+                horizon = min(horizon, end)
+        examined, t = 0, 1
+        while examined < self.readahead:
+            begin = first + t * step
+            if begin >= horizon:
+                break
+            for k in range(begin, min(begin + size, horizon)):
+                examined += 1
+                if k <= self._pumped:
+                    continue
+                if len(self._rows) >= self.readahead:
+                    return
+                if not self._prefetch(table, dtype, snapshot, k, plan.start(k), plan.length):
+                    return
+                self._pumped = k
+            t += 1
+
+    def _prefetch(self, table: Any, dtype: np.dtype, snapshot: tuple | None, k: int, start: int,
+                  length: int) -> bool:
+        """Start fetching read k: copies of its blocks the policy admits, else a ranged read.
+        False (nothing started) when it waits for a free slot for a block copy."""
+        if start in self._rows:
+            return True
+        token_starts, item = table.token_starts, dtype.itemsize
+        parts = self._parts(token_starts, start, length)
+        ranged, copies = False, []
+        for b, _, _ in parts:
+            if b in self._fds or b in self._blocks:
+                continue
+            rel = table.path(b)
+            if os.path.exists(self.copies.dir.path(copy_name(rel, table.checksum(b)))):
+                continue
+            if self._admit(table, b, snapshot):
+                copies.append((b, rel))
+            else:
+                ranged = True
+        if len(self._blocks) + len(copies) > max(1, self.fetch_threads // 4):
+            return False  # copies in flight are at their bound: come back at the next read
+        for b, rel in copies:
+            future = self._executor().submit(self._fetch_block, b, rel, table.size(b),
+                                             table.checksum(b), self._policy(table, b, snapshot))
+            self._blocks[b] = future
+            future.add_done_callback(lambda f, b=b: self._blocks.pop(b, None)
+                                     if self._blocks.get(b) is f else None)
+        if ranged:
+            where = [self._byte_range(table, item, b, lo, hi) for b, lo, hi in parts]
+            self._rows[start] = (k, self._executor().submit(self._fetch_parts, where), length)
+        return True
+
+    def _drop_stale_rows(self, plan: _Plan) -> None:
+        """Forget reads fetched ahead that the plan will not make soon (it moved)."""
+        behind, beyond = plan.cursor - plan.back, plan.cursor + plan.lookahead
+        for start in [s for s, (k, _, _) in self._rows.items() if not behind <= k <= beyond]:
+            self._rows.pop(start, None)
+
+    # ------------------------------------------------------------ reports and eviction
+    def stats(self) -> dict[str, Any]:
+        totals: dict[str, Any] = self.stats_counter.totals()
+        served = totals["hits"] + totals["misses"]
+        totals["hit_rate"] = totals["hits"] / served if served else None
+        totals["local_bytes"] = self.copies.usage()
+        totals["cache_limit"] = self.limit
+        return totals
+
+    def evict(self, table: Any, keep_bytes: int) -> int:
+        """Evict copies not in use (needed last first) until at most ``keep_bytes`` remain."""
+        snapshot = self._plan.snapshot(table.token_starts) if self._plan is not None else None
+        fds, self._fds = self._fds, OrderedDict()  # our own idle copies must not block it
+        for fd, _, _ in fds.values():
+            os.close(fd)
+        evicted = self.copies.evict(keep_bytes, self._policy(table, None, snapshot))
+        freed = sum(r.size for r in evicted)
+        self.stats_counter.add_many({"evictions": len(evicted), "evicted_bytes": freed})
+        self.stats_counter.flush()
+        self._free = None
+        return freed
+
+
+def _pread_fully(fd: int, dest: memoryview, offset: int, path: str) -> None:
+    pread_fully(fd, dest, offset, path, "delete this local copy (it is downloaded again)")
+
+
+def _after_fork_in_child() -> None:
+    for reader in list(_READERS):
+        reader._after_fork()
+
+
+os.register_at_fork(after_in_child=_after_fork_in_child)

@@ -1,0 +1,402 @@
+"""Map-style datasets over a cache: fixed-length token windows, and whole documents.
+
+To batch documents (different lengths) use :func:`torchcache.pad_collate` or
+:func:`torchcache.packed_collate` as the DataLoader's ``collate_fn``.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from typing import Any, Callable, Sequence
+
+import numpy as np
+import torch
+from torch.utils.data import Dataset
+
+from .._util.args import (INT64_MAX, POSITION_LIMIT, bool_arg, choice_arg, index_array, int_arg,
+                    optional_int_arg)
+from ..read.cache import TokenCache
+from ..read.remote_reads import SamplerReads
+
+__all__ = ["DocumentDataset", "GrowingDataset", "TokenDataset", "open_cache"]
+
+
+def open_cache(cache: TokenCache | str | os.PathLike) -> TokenCache:
+    """``cache`` itself, or the cache at that path or URL; TypeError for anything else."""
+    if isinstance(cache, TokenCache):
+        return cache
+    if isinstance(cache, (str, os.PathLike)):
+        return TokenCache(cache)
+    raise TypeError(f"cache must be a tc.TokenCache or the path/URL of one (str or os.PathLike), "
+                    f"got {type(cache).__name__}")
+
+
+def _content_fields(saved: Any, name: str) -> tuple[int, str]:
+    """(blocks, sha256) of a saved :attr:`GrowingDataset.content_identity`; ValueError naming
+    ``name`` if it is anything else."""
+    shape = "{'blocks': int >= 0, 'sha256': 64 hex digits}"
+    if not isinstance(saved, Mapping) or set(saved) != {"blocks", "sha256"}:
+        raise ValueError(f"{name} must be {shape} (a dataset's content_identity), got {saved!r}")
+    blocks, digest = saved["blocks"], saved["sha256"]
+    if (type(blocks) is not int or blocks < 0 or not isinstance(digest, str) or len(digest) != 64
+            or digest.strip("0123456789abcdef")):
+        raise ValueError(f"{name} must be {shape} (a dataset's content_identity), got {saved!r}")
+    return blocks, digest
+
+
+def knows_content(dataset: Any) -> bool:
+    """A dataset whose loader states record the content it reads (``content_identity``, checked
+    by ``check_content``): TokenDataset, DocumentDataset, PackedDataset, MixtureDataset."""
+    return callable(getattr(dataset, "check_content", None)) and hasattr(dataset, "content_identity")
+
+
+_WINDOWS = "__torchcache_windows__"  # the key of the token windows in a compact batch
+_Allocate = Callable[[tuple[int, int]], torch.Tensor]  # makes an int64 tensor of a shape
+
+
+class GrowingDataset(Dataset):
+    """Shared behaviour of the datasets over a cache that may still be growing (not exported)."""
+
+    cache: TokenCache
+
+    @property
+    def complete(self) -> bool:
+        """True once the cache's build has finished (the length will not change any more).
+
+        >>> ds.complete  # doctest: +SKIP
+        True
+        """
+        return self.cache.complete
+
+    def refresh(self) -> int:
+        """Pick up newly committed blocks; return the new length.
+
+        >>> while not ds.complete:  # doctest: +SKIP
+        ...     print(ds.refresh(), "samples so far")
+        """
+        self.cache.refresh()
+        return len(self)
+
+    @property
+    def tokenizer_identity(self) -> str:
+        """What the token ids mean: the tokenizer's fingerprint, or for pre-tokenized data (no
+        tokenizer) the vocabulary size and dtype. :class:`torchcache.MixtureDataset` refuses
+        sources that differ, since one id would stand for different text in each.
+
+        >>> ds.tokenizer_identity  # doctest: +SKIP
+        'tokenizer fingerprint 5b3c...'
+        """
+        tokenizer = self.cache.spec.get("tokenizer")
+        if tokenizer is not None:
+            return f"tokenizer fingerprint {tokenizer['fingerprint']}"
+        return (f"pre-tokenized ids (no tokenizer), vocab_size={self.cache.vocab_size}, "
+                f"dtype={self.cache.spec['dtype']}")
+
+    @property
+    def content_identity(self) -> dict[str, Any]:
+        """What the cache holds now: its committed blocks and their
+        :meth:`~torchcache.TokenCache.content_digest`. Loader states save it, so that a state is
+        refused on a cache of other content even where fingerprint and size agree.
+
+        >>> ds.content_identity  # doctest: +SKIP
+        {'blocks': 12, 'sha256': '5d1e...'}
+        """
+        blocks = self.cache.num_blocks
+        return {"blocks": blocks, "sha256": self.cache.content_digest(blocks)}
+
+    def check_content(self, saved: Any, name: str = "content") -> None:
+        """ValueError unless the cache starts with the blocks ``saved`` (a
+        :attr:`content_identity`, under the name ``name``) describes. The cache may have
+        committed more blocks since (a state saved while it was being built).
+
+        >>> ds.check_content(state["content"])  # doctest: +SKIP
+        """
+        blocks, digest = _content_fields(saved, name)
+        cache = self.cache
+        if cache.num_blocks < blocks and not cache.complete:
+            self.refresh()  # a state saved by a process that saw more of the build
+        if cache.num_blocks < blocks:
+            raise ValueError(
+                f"the cache at {cache.url} has {cache.num_blocks} committed blocks, the state was "
+                f"saved on a cache with {blocks}: the state belongs to another cache's content. "
+                "Resume on the cache the state was saved on, or start a new run instead of "
+                "loading it")
+        found = cache.content_digest(blocks)
+        if found != digest:
+            raise ValueError(
+                f"the cache at {cache.url} holds other data than the cache the state was saved on "
+                f"(the digest of its first {blocks} committed blocks is {found[:16]}..., the "
+                f"state's is {digest[:16]}...): the state belongs to another cache's content, "
+                "although fingerprint and size may agree. Resume on the cache the state was "
+                "saved on, or start a new run instead of loading it")
+
+    def _check(self, indices: Sequence[int]) -> np.ndarray:
+        """``indices`` as flat int64 positions in ``[0, len)``: one vectorised check per batch.
+
+        TypeError for non-integers (``1.5``, ``"3"``, bools), IndexError out of range.
+        """
+        idx = index_array(indices, "indices").reshape(-1)
+        if idx.size == 0:
+            return idx
+        n = len(self)
+        if int(idx.view(np.uint64).max()) < n:  # the usual case in one pass: all in [0, n)
+            return idx
+        low, high = int(idx.min()), int(idx.max())
+        if high >= n or low < -n:
+            if high >= n and not self.cache.complete:
+                n = self.refresh()  # a worker's copy may lag the sampler's view of a growing cache
+            bad = idx[(idx >= n) | (idx < -n)]
+            if bad.size:
+                raise IndexError(self._out_of_range(int(bad[0]), n))
+        return idx if low >= 0 else np.where(idx < 0, idx + n, idx)
+
+    def _check_index(self, index: int) -> int:
+        """One index (any integer type, negative from the end) as a position in ``[0, len)``."""
+        i = int_arg(index, "index", minimum=None)
+        if not -INT64_MAX - 1 <= i <= INT64_MAX:
+            raise IndexError(self._out_of_range(i, len(self)))
+        return int(self._check([i])[0])
+
+    def _out_of_range(self, index: int, n: int) -> str:
+        return f"index {index} out of range for {type(self).__name__} of length {n}"
+
+
+class TokenDataset(GrowingDataset):
+    """Fixed-length training samples cut from the cache's global token stream.
+
+    Sample s is the window of seq_len + 1 tokens starting at s * seq_len (consecutive windows
+    overlap by one token, so every token is a target exactly once); windows cross document and
+    block boundaries. `ds[i]` is {"input_ids": LongTensor[seq_len], "labels": LongTensor[seq_len]}
+    with labels the next tokens, or equal to input_ids when `labels="same"` (for models that
+    shift inside, like Hugging Face's). `document_boundaries=True` adds, computed from the
+    stored offsets: `position_ids` restarting at 0 at each document, and `cu_seqlens`
+    (int32[max_segments + 1], cumulative lengths of the document pieces inside the sample, padded
+    with seq_len) with `num_segments` giving how many entries are valid, for variable-length
+    attention. `len()` follows the committed cache; call `refresh()` to pick up new blocks.
+    A finished cache too short for one sample (fewer than seq_len + 1 tokens) is a ValueError
+    here; a cache still being built may be that short at first.
+
+    >>> ds = tc.TokenDataset("runs/quickstart/cache", seq_len=2048)  # doctest: +SKIP
+    >>> ds[0]["input_ids"].shape, ds[0]["labels"][:3]  # doctest: +SKIP
+    (torch.Size([2048]), tensor([4935, 20336, 46566]))
+    >>> loader = tc.DataLoader(ds, batch_size=8, shuffle=True, num_workers=2)  # doctest: +SKIP
+    """
+
+    def __init__(self, cache: TokenCache | str | os.PathLike, seq_len: int, *,
+                 labels: str = "shifted", document_boundaries: bool = False,
+                 max_segments: int | None = None):
+        self.seq_len = int_arg(seq_len, "seq_len", minimum=1, maximum=POSITION_LIMIT)
+        self.labels = choice_arg(labels, "labels", ("shifted", "same"))
+        self.document_boundaries = bool_arg(document_boundaries, "document_boundaries")
+        max_segments = optional_int_arg(max_segments, "max_segments", 1, self.seq_len)
+        self.max_segments = self.seq_len if max_segments is None else max_segments
+        self.cache = open_cache(cache)
+        self._require_one_sample()
+
+    def _require_one_sample(self) -> None:
+        """ValueError if a finished cache is too short for even one sample (a silent empty
+        dataset otherwise); a cache still being built may legitimately be short at first."""
+        if not self.cache.complete or len(self) > 0:
+            return
+        tokens = self.cache.num_tokens
+        fix = (f"use seq_len <= {tokens - 1}" if tokens >= 2
+               else "it is too small for any sample: build it from more data")
+        raise ValueError(f"seq_len={self.seq_len} is too long for the cache at {self.cache.url}: "
+                         f"it holds {tokens} tokens and one sample needs seq_len + 1 = "
+                         f"{self.seq_len + 1}; {fix}")
+
+    @property
+    def fingerprint(self) -> str:
+        """Identity of the sample stream: the cache's fingerprint and the window length.
+
+        >>> ds.fingerprint  # saved in loader states; a state of another stream is refused  # doctest: +SKIP
+        '9c1f.../seq2048'
+        """
+        return f"{self.cache.fingerprint}/seq{self.seq_len}"
+
+    @property
+    def item_signature(self) -> str:
+        """The keys and shapes of an item; :class:`torchcache.MixtureDataset` refuses sources
+        that differ, since torch's default collate cannot batch them together.
+
+        >>> ds.item_signature  # doctest: +SKIP
+        'token windows of seq_len=2048 (input_ids, labels)'
+        """
+        keys = "input_ids, labels"
+        if self.document_boundaries:
+            keys += f", position_ids, cu_seqlens[{self.max_segments + 1}], num_segments"
+        return f"token windows of seq_len={self.seq_len} ({keys})"
+
+    def __len__(self) -> int:
+        return max(0, (self.cache.num_tokens - 1) // self.seq_len)
+
+    def __repr__(self) -> str:
+        return f"TokenDataset({self.cache!r}, seq_len={self.seq_len}, {len(self):,} samples)"
+
+    def follow_sampler(self, sampler) -> None:
+        """Tell the cache which windows ``sampler`` will read, in order: a remote cache with a
+        ``cache_limit`` then fetches them ahead and keeps the blocks needed soonest (nothing
+        happens for other caches). :class:`torchcache.DistributedSampler` calls this when it is
+        made over this dataset; the plan travels with the dataset into DataLoader workers.
+
+        >>> ds = tc.TokenDataset(tc.TokenCache(url, cache_limit="200GB"), 2048)  # doctest: +SKIP
+        >>> sampler = tc.DistributedSampler(ds, seed=0)  # calls ds.follow_sampler(sampler)  # doctest: +SKIP
+        """
+        self.cache.plan_reads(SamplerReads(sampler, self.seq_len))
+
+    def read_windows(self, indices: Sequence[int]) -> np.ndarray:
+        """Token windows (len(indices), seq_len + 1) in the cache's dtype, read in one call.
+
+        >>> ds.read_windows([0, 1]).shape  # doctest: +SKIP
+        (2, 2049)
+        """
+        return self._read(self._check(indices))
+
+    def _read(self, idx: np.ndarray) -> np.ndarray:
+        """The windows of checked sample positions ``idx``."""
+        return self.cache._read_checked_rows(idx * self.seq_len, self.seq_len + 1)
+
+    def __getitem__(self, index: int) -> dict[str, torch.Tensor]:
+        return self.__getitems__([self._check_index(index)])[0]
+
+    def __getitems__(self, indices: Sequence[int]) -> list[dict[str, torch.Tensor]]:
+        """Samples ``indices`` as a list of dicts (what torch's fetcher passes to ``collate_fn``).
+
+        Their tensors are rows of :meth:`get_batch`'s, so a batch is read in one call.
+
+        >>> [item["input_ids"].shape for item in ds.__getitems__([0, 5])]  # doctest: +SKIP
+        [torch.Size([2048]), torch.Size([2048])]
+        """
+        batch = self.get_batch(indices)
+        return [dict(zip(batch, row)) for row in zip(*batch.values())]
+
+    def get_batch(self, indices: Sequence[int]) -> dict[str, torch.Tensor]:
+        """Samples ``indices`` already batched: equal to ``default_collate(ds.__getitems__(indices))``.
+
+        All windows are read into one array and converted to int64 once per output, with no
+        per-sample Python work (unless ``document_boundaries``). :class:`torchcache.DataLoader`
+        uses it with ``prefetch_batches`` when no ``collate_fn`` is given (and ``__getitems__``
+        is not overridden).
+
+        >>> batch = ds.get_batch([0, 1, 2, 3])  # doctest: +SKIP
+        >>> batch["input_ids"].shape, batch["labels"].dtype  # doctest: +SKIP
+        (torch.Size([4, 2048]), torch.int64)
+        """
+        if self.document_boundaries:
+            return self.expand_batch(self.compact_batch(indices))
+        return self._widen(self._read(self._check(indices)))  # the hot path: no detour
+
+    def _get_batch_into(self, indices: Sequence[int], allocate: _Allocate) -> dict[str, torch.Tensor]:
+        """:meth:`get_batch` (of a dataset without ``document_boundaries``) widened straight into
+        int64 tensors made by ``allocate(shape)`` (pinned ones, for a DataLoader with
+        ``pin_memory=True``): one copy, not two."""
+        return self._widen(self._read(self._check(indices)), allocate)
+
+    def _widen(self, windows: np.ndarray, allocate: _Allocate | None = None) -> dict[str, torch.Tensor]:
+        """Windows (n, seq_len + 1) in the cache's dtype as int64 input_ids and labels (in
+        tensors from ``allocate(shape)`` if given)."""
+        inputs, targets = windows[:, :-1], (windows[:, 1:] if self.labels == "shifted" else None)
+        if allocate is not None:
+            input_ids, labels = allocate(inputs.shape), allocate(inputs.shape)
+            np.copyto(input_ids.numpy(), inputs)
+            np.copyto(labels.numpy(), inputs if targets is None else targets)
+            return {"input_ids": input_ids, "labels": labels}
+        input_ids = torch.from_numpy(inputs.astype(np.int64))
+        if targets is None:
+            return {"input_ids": input_ids, "labels": input_ids.clone()}
+        labels = torch.from_numpy(targets.astype(np.int64))
+        return {"input_ids": input_ids, "labels": labels}
+
+    def compact_batch(self, indices: Sequence[int]) -> dict[str, torch.Tensor]:
+        """The batch as its token windows in the cache's dtype (2 or 4 bytes a token).
+
+        A DataLoader worker sends this across the process boundary (4-8x less data than two
+        int64 tensors) and the main process widens it with :meth:`expand_batch`.
+
+        >>> compact = ds.compact_batch([0, 1])  # in a worker  # doctest: +SKIP
+        >>> batch = ds.expand_batch(compact)  # in the training process  # doctest: +SKIP
+        """
+        idx = self._check(indices)
+        windows = self._read(idx)
+        signed = np.int16 if windows.dtype.itemsize == 2 else np.int32  # torch-friendly view
+        batch = {_WINDOWS: torch.from_numpy(windows.view(signed))}
+        if self.document_boundaries:
+            position_ids = np.empty((len(idx), self.seq_len), dtype=np.int64)
+            cu_seqlens = np.empty((len(idx), self.max_segments + 1), dtype=np.int32)
+            num_segments = np.empty(len(idx), dtype=np.int64)
+            for row, s in enumerate(idx.tolist()):
+                position_ids[row], cu_seqlens[row], num_segments[row] = self._boundaries(s)
+            batch.update(position_ids=torch.from_numpy(position_ids),
+                         cu_seqlens=torch.from_numpy(cu_seqlens),
+                         num_segments=torch.from_numpy(num_segments))
+        return batch
+
+    def expand_batch(self, compact: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """A :meth:`compact_batch` as the training batch: int64 ``input_ids`` and ``labels``.
+
+        >>> ds.expand_batch(ds.compact_batch([7]))["input_ids"].dtype  # doctest: +SKIP
+        torch.int64
+        """
+        if not isinstance(compact, dict) or _WINDOWS not in compact:
+            raise TypeError(f"compact must be a batch made by compact_batch(), got "
+                            f"{type(compact).__name__}")
+        compact = dict(compact)
+        windows = compact.pop(_WINDOWS).numpy().view(self.cache.dtype)
+        return {**self._widen(windows), **compact}
+
+    def _boundaries(self, sample: int) -> tuple[np.ndarray, np.ndarray, int]:
+        """(position_ids, cu_seqlens, num_segments) of one sample."""
+        start = sample * self.seq_len
+        stop = start + self.seq_len
+        inside = self.cache.document_starts_in(start, stop)  # document starts in (start, stop)
+        first = self.cache.document_span(self.cache.document_at(start))[0]
+        starts = np.concatenate([[first], inside])
+        positions = np.arange(start, stop, dtype=np.int64)
+        position_ids = positions - starts[np.searchsorted(starts, positions, side="right") - 1]
+        cuts = np.concatenate([[0], inside - start, [self.seq_len]])
+        if len(cuts) - 1 > self.max_segments:
+            raise ValueError(f"sample {sample} holds {len(cuts) - 1} document pieces, more than "
+                             f"max_segments={self.max_segments}; raise max_segments")
+        cu = np.full(self.max_segments + 1, self.seq_len, dtype=np.int32)
+        cu[:len(cuts)] = cuts
+        return position_ids, cu, len(cuts) - 1
+
+
+class DocumentDataset(GrowingDataset):
+    """One document per item, as stored (with its BOS/EOS), as a LongTensor.
+
+    Documents differ in length, so batch them with :func:`torchcache.pad_collate` (a padded
+    matrix and an attention mask) or :func:`torchcache.packed_collate` (one flat sequence with
+    ``cu_seqlens``, for variable-length attention).
+
+    >>> docs = tc.DocumentDataset("runs/quickstart/cache")  # doctest: +SKIP
+    >>> cache.decode(docs[0][:8])  # doctest: +SKIP
+    'The Project Gutenberg eBook of Pride and'
+    >>> loader = tc.DataLoader(docs, batch_size=4, collate_fn=tc.pad_collate)  # doctest: +SKIP
+    """
+
+    def __init__(self, cache: TokenCache | str | os.PathLike):
+        self.cache = open_cache(cache)
+
+    @property
+    def fingerprint(self) -> str:
+        """Identity of the item stream: the cache's fingerprint (saved in loader states)."""
+        return f"{self.cache.fingerprint}/documents"
+
+    @property
+    def item_signature(self) -> str:
+        """The shape of an item (see :attr:`TokenDataset.item_signature`)."""
+        return "whole documents (one variable-length LongTensor each)"
+
+    def __len__(self) -> int:
+        return self.cache.num_documents
+
+    def __getitem__(self, index: int) -> torch.Tensor:
+        return torch.from_numpy(self.cache.document(self._check_index(index)))
+
+    def __getitems__(self, indices: Sequence[int]) -> list[torch.Tensor]:
+        return [torch.from_numpy(self.cache.document(i)) for i in self._check(indices).tolist()]
+
+    def __repr__(self) -> str:
+        return f"DocumentDataset({self.cache!r}, {len(self):,} documents)"
