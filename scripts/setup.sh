@@ -6,9 +6,9 @@
 #   main (default)  what the main job (scripts/demo.sh) needs: torch==2.13.0 and the package
 #                   with its runtime dependencies (numpy, tokenizers, safetensors, fsspec,
 #                   braceexpand, tqdm). No test tools, no Ray, no S3, no Arrow.
-#   test            main plus the test extras `.[test]` (pytest, hypothesis, psutil, webdataset,
-#                   zstandard, pyarrow, torchdata, s3fs, moto, ray, accelerate), for scripts/test.sh
-#                   and CI.
+#   test            main plus the test extras `.[test]` (pytest, pytest-xdist, hypothesis, psutil,
+#                   webdataset, zstandard, pyarrow, torchdata, s3fs, moto, ray, accelerate), for
+#                   scripts/test.sh and CI.
 #
 # Re-running is cheap: it installs only when an import of that set fails.
 set -euo pipefail
@@ -21,7 +21,7 @@ case "$WHAT" in
         IMPORTS="torchcache, torch, numpy, tokenizers, safetensors, fsspec, braceexpand, tqdm" ;;
     test)
         TARGET="-e .[test]"
-        IMPORTS="torchcache, torch, numpy, tokenizers, safetensors, fsspec, braceexpand, tqdm, webdataset, pytest, hypothesis, psutil, zstandard, pyarrow, torchdata, s3fs, moto, ray, accelerate" ;;
+        IMPORTS="torchcache, torch, numpy, tokenizers, safetensors, fsspec, braceexpand, tqdm, webdataset, pytest, xdist, hypothesis, psutil, zstandard, pyarrow, torchdata, s3fs, moto, ray, accelerate" ;;
     *)
         echo "usage: bash scripts/setup.sh [main|test]" >&2
         exit 2 ;;

@@ -1,19 +1,46 @@
-"""Shared fixtures: the real GPT-2 tokenizer and a small real corpus, both from tests/data."""
+"""Shared fixtures: the real GPT-2 tokenizer and a small real corpus, both from tests/data; one
+folder per test run for every temporary file (removed at the end of the run)."""
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import gzip
 import json
 import os
-import socket
+import shutil
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
 
 DATA = Path(__file__).parent / "data"
+RUN_DIR_VARIABLE = "TORCHCACHE_TEST_RUN_DIR"
+
+
+def pytest_configure(config) -> None:
+    """Point TMPDIR and HOME at one fresh folder for this run, removed when the run's process
+    exits: pytest's tmp_path folders, multiprocessing's pymp-*, torchrun's torchelastic_*, Ray's
+    session folders and ~/.ray token, remote-copy caches under ~/.cache all land there, so a test
+    run leaves /tmp and ~ as it found them. xdist workers and the processes tests start inherit
+    the folder (the variable is already set for them); each xdist worker gets its own TMPDIR in it."""
+    if os.environ.get(RUN_DIR_VARIABLE):
+        worker = getattr(config, "workerinput", {}).get("workerid")
+        if worker:
+            os.environ["TMPDIR"] = os.path.join(os.environ[RUN_DIR_VARIABLE], worker)
+            os.makedirs(os.environ["TMPDIR"], exist_ok=True)
+            tempfile.tempdir = None
+        return
+    run_dir = tempfile.mkdtemp(prefix="tc-test-")  # short: Ray's socket paths (<108 bytes) live below
+    home = os.path.join(run_dir, "home")
+    os.mkdir(home)
+    os.environ.update({RUN_DIR_VARIABLE: run_dir, "TMPDIR": run_dir, "HOME": home})
+    tempfile.tempdir = None  # gettempdir() reads TMPDIR again
+    # atexit, registered before multiprocessing.util is imported: runs after multiprocessing has
+    # removed its own pymp-* folder, and after pytest and xdist have stopped their workers
+    atexit.register(shutil.rmtree, run_dir, ignore_errors=True)
 
 
 @pytest.fixture(scope="session")
@@ -64,12 +91,10 @@ def moto_s3(bucket: str = "bucket"):
     moto_server = pytest.importorskip("moto.server")
     pytest.importorskip("s3fs")
     import boto3
-    sock = socket.socket()
-    sock.bind(("127.0.0.1", 0))
-    port = sock.getsockname()[1]
-    sock.close()
-    server = moto_server.ThreadedMotoServer(ip_address="127.0.0.1", port=port, verbose=False)
+    # port 0: the server binds a free port itself, so parallel test workers never race for one
+    server = moto_server.ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
     server.start()
+    port = server.get_host_and_port()[1]
     try:
         endpoint = f"http://127.0.0.1:{port}"
         boto3.client("s3", endpoint_url=endpoint, region_name="us-east-1", aws_access_key_id="testing",
@@ -95,15 +120,15 @@ def tree_bytes(root: str) -> dict[str, bytes]:
 def build_killed_at_commit(inputs: list[str], out, tokenizer: str, commits: int, *,
                            workers: int = 1, block_tokens: int = 2_000) -> int:
     """Run `build_cache` in a child process that SIGKILLs itself right after its `commits`-th
-    manifest write (the builder's TORCHCACHE_TEST_KILL_AFTER_COMMITS hook): an interruption at a
-    known commit instead of a race with a timer. Returns the exit code: -9 when it was killed,
-    0 when the build finished before its `commits`-th manifest write."""
-    script = ("import sys, json, torchcache as tc\n"
+    manifest write (the builder's `hooks.kill_after_commits`): an interruption at a known commit
+    instead of a race with a timer. Returns the exit code: -9 when it was killed, 0 when the
+    build finished before its `commits`-th manifest write."""
+    script = ("import torchcache as tc\n"
               "tc.build_cache(json.loads(sys.argv[1]), sys.argv[2], sys.argv[3], "
               f"block_tokens={block_tokens}, num_workers={workers}, progress=False)\n")
-    env = dict(os.environ, TORCHCACHE_TEST_KILL_AFTER_COMMITS=str(commits))
-    return subprocess.run([sys.executable, "-c", script, json.dumps(inputs), str(out), tokenizer],
-                          env=env, timeout=300).returncode
+    command = python_with_hooks(script, json.dumps(inputs), str(out), tokenizer,
+                                kill_after_commits=commits)
+    return subprocess.run(command, timeout=300).returncode
 
 
 def as_format_v1(root) -> None:
@@ -154,3 +179,14 @@ def wait_for_blocks(path, handle, minimum: int = 1):
         except FileNotFoundError:
             pass
         time.sleep(0.01)
+
+
+def python_with_hooks(code: str, *args: str, **settings) -> list[str]:
+    """The command that runs `code` (with `json`, `sys` and `hooks` imported; `sys.argv[1:]` is
+    `args`) in a fresh interpreter whose test hooks (`torchcache._util.hooks`) are this process's,
+    updated with `settings`: how a hook reaches a process a test starts itself (the package's
+    own child processes get their parent's hooks)."""
+    from torchcache._util import hooks
+    values = json.dumps(dict(hooks.values(), **settings))
+    prelude = f"import json, sys\nfrom torchcache._util import hooks\nhooks.apply(json.loads({values!r}))\n"
+    return [sys.executable, "-c", prelude + code, *args]

@@ -103,9 +103,11 @@ def test_info_tells_an_interrupted_build_from_a_running_one(tmp_path, shards, gp
     out = tmp_path / "out"
     killed = _run_script(tmp_path, f"""
         import torchcache as tc
+        from torchcache._util import hooks
+        hooks.kill_after_commits = 3  # SIGKILL right after the 3rd commit
         tc.build_cache({shards!r}, {str(out)!r}, {gpt2_tokenizer_path!r}, block_tokens=2000,
                        num_workers=0, progress=False)
-        """, {"TORCHCACHE_TEST_KILL_AFTER_COMMITS": "3"})
+        """, {})
     assert killed.returncode == -9
     assert "interrupted: rerun the same build to resume it" in _info(out)
     lock = open_storage(str(out)).lock()

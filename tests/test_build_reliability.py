@@ -9,6 +9,7 @@ import signal
 import subprocess
 import sys
 import textwrap
+import threading
 import time
 
 import psutil
@@ -209,7 +210,8 @@ def test_a_lease_taken_by_another_builder_is_noticed(monkeypatch):
             return False
 
         _until(taken, "noticing the other owner")
-        time.sleep(0.5)  # (more than a heartbeat period)
+        _until(lambda: not any(t.name == "torchcache-lease" and t.is_alive()
+                               for t in threading.enumerate()), "the heartbeat stopping for good")
         assert _lease_owner(storage) == "other:1", "a builder that lost its lease never renews it"
     finally:
         lock.release()

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import os
 import signal
 import subprocess
 import sys
@@ -12,7 +11,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import webdataset as wds
-from conftest import DATA, paragraphs, tree_bytes
+from conftest import DATA, paragraphs, python_with_hooks, tree_bytes
 
 import torchcache as tc
 from torchcache.format.ledger import read_manifest
@@ -150,13 +149,13 @@ def test_kill_9_during_conversion_then_resume_gives_the_same_cache(tmp_path, boo
     ref = tc.convert_webdataset(shards, tmp_path / "ref", tokenizer=gpt2_tokenizer_path,
                                 block_tokens=1500, num_workers=1, progress=False)
     out = str(tmp_path / "killed")
-    script = ("import sys, json, torchcache as tc; tc.convert_webdataset(json.loads(sys.argv[1]), "
+    script = ("import torchcache as tc; tc.convert_webdataset(json.loads(sys.argv[1]), "
               "sys.argv[2], tokenizer=sys.argv[3], block_tokens=1500, num_workers=2, progress=False)")
     count = 0
     for commits in (3, 8):  # SIGKILL right after the 3rd manifest write, then the 8th of a resume
-        env = dict(os.environ, TORCHCACHE_TEST_KILL_AFTER_COMMITS=str(commits))
-        proc = subprocess.run([sys.executable, "-c", script, json.dumps(shards), out,
-                               gpt2_tokenizer_path], env=env, timeout=300)
+        command = python_with_hooks(script, json.dumps(shards), out, gpt2_tokenizer_path,
+                                    kill_after_commits=commits)
+        proc = subprocess.run(command, timeout=300)
         assert proc.returncode == -signal.SIGKILL, "the conversion ended before its kill point"
         m = read_manifest(str(out))
         assert not m["complete"] and len(m["blocks"]) + len(m["pending"]) > count

@@ -24,7 +24,7 @@ TOTAL_STEPS = 20  # per-rank epoch of 30 samples in batches of 4: 8 steps per ep
 SAVE_AT = 5
 
 
-def launch(world_size: int, workdir: str, mode: str, num_steps: int, timeout: float = 60.0) -> dict:
+def launch(world_size: int, workdir: str, mode: str, num_steps: int, timeout: float = 300.0) -> dict:
     """Run ``helpers.dist_worker`` on ``world_size`` spawned processes; -> rank 0's JSON result."""
     init_file = os.path.join(workdir, f"init-{mode}-{world_size}")
     ctx = mp.start_processes(

@@ -1,8 +1,8 @@
 """Format v2: commits are appends (head.json + binary block index + commit log), v1 caches stay
 readable and upgrade in place, and a damaged v2 file is an error naming it.
 
-Builds here use 3 records per index/log chunk (TORCHCACHE_TEST_CHUNK_RECORDS, recorded in each
-cache's manifest), so a few blocks cross several chunk boundaries.
+Builds here use 3 records per index/log chunk (the test hook `hooks.chunk_records`, recorded in
+each cache's manifest), so a few blocks cross several chunk boundaries.
 """
 
 from __future__ import annotations
@@ -20,6 +20,7 @@ import pytest
 
 import torchcache as tc
 import torchcache.format.ledger as ledger
+from torchcache._util import hooks
 from conftest import as_format_v1, build_killed_at_commit, paragraphs, tree_bytes, write_jsonl
 from torchcache.format.storage import LocalStorage
 
@@ -30,8 +31,7 @@ CHUNK = 3
 @pytest.fixture(autouse=True, scope="module")
 def small_chunks():
     with pytest.MonkeyPatch.context() as patch:
-        patch.setenv("TORCHCACHE_TEST_CHUNK_RECORDS", str(CHUNK))  # builds in child processes
-        patch.setattr(ledger, "CHUNK_RECORDS", CHUNK)  # and in this one
+        patch.setattr(hooks, "chunk_records", CHUNK)  # child processes get it too
         yield
 
 
@@ -165,7 +165,6 @@ def test_resuming_an_interrupted_v1_build_upgrades_it_and_ends_identical(tmp_pat
 @pytest.mark.slow
 def test_kill_9_at_commits_across_chunk_boundaries_then_resume_is_byte_identical(
         tmp_path, shards, gpt2_tokenizer_path, built):
-    reference = tc.TokenCache(built)  # the same bytes as a 1-worker build
     out = tmp_path / "killed"
     seen = 0
     for commits in (4, 5, 4):  # each run resumes the previous one (inline: deterministic commits)
@@ -187,7 +186,6 @@ def test_a_reader_follows_a_growing_cache_reading_only_new_commits(tmp_path, sha
                                                                    gpt2_tokenizer_path, built):
     """Once a reader has the first index chunks, refresh() never reads them again: it works with
     them removed. (They are put back before the build resumes, which reads its whole record.)"""
-    reference = tc.TokenCache(built)  # the same bytes as a 1-worker build
     full = _tokens(str(built))
     out = tmp_path / "growing"
     # inline builds commit one event at a time: the same commits, in the same order, every run

@@ -14,7 +14,7 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from torch.utils.data import Dataset
+from torch.utils.data import Dataset, default_collate
 
 sys.path.insert(0, os.path.dirname(__file__))
 from _helpers_resume import lockstep_steps, run_until  # noqa: E402
@@ -51,6 +51,18 @@ class Batched(Src):
     def __getitems__(self, indices):
         self.calls.append(list(indices))
         return [self[i] for i in indices]
+
+
+class WholeBatches(Src):
+    """A source that makes whole batches itself (get_batch), recording the indices asked."""
+
+    def __init__(self, n: int, offset: int = 0) -> None:
+        super().__init__(n, offset)
+        self.batch_calls: list[list[int]] = []
+
+    def get_batch(self, indices):
+        self.batch_calls.append(np.asarray(indices).tolist())
+        return torch.as_tensor(indices).reshape(-1, 1) + self.offset
 
 
 def sources(n: int, big: bool = True) -> dict[str, Src]:
@@ -377,6 +389,79 @@ def test_getitems_reads_each_source_once_in_order():
         mix[1.5]
 
 
+def test_get_batch_reads_each_source_once_and_equals_the_collated_items():
+    a, b, plain = WholeBatches(40, 0), Batched(40, 1000), Src(40, 2000)
+    mix = MixtureDataset({"a": a, "b": b, "c": plain}, {"a": 2, "b": 1, "c": 1}, block_size=8)
+    idx = np.array([5, 77, 3, 1000, 2, 64, 64, 9, 10, 11])
+    b.calls.clear()
+    batch = mix.get_batch(idx)
+    assert torch.equal(batch, default_collate(mix.__getitems__(idx.tolist())))
+    src, local = mix.locate(idx)
+    assert set(src.tolist()) == {0, 1, 2}  # the batch mixes all three sources
+    assert a.batch_calls == [local[src == 0].tolist()]  # one call per source, with a get_batch...
+    assert b.calls[0] == local[src == 1].tolist()  # ...or its __getitems__
+    only_a = np.flatnonzero(mix.locate(np.arange(64))[0] == 0)[:3]
+    assert torch.equal(mix.get_batch(only_a), a.get_batch(mix.locate(only_a)[1]))
+    nested = MixtureDataset({"mix": mix, "z": WholeBatches(10, 300)}, {"mix": 1, "z": 1}, block_size=4)
+    assert torch.equal(nested.get_batch(np.arange(12)),
+                       default_collate(nested.__getitems__(list(range(12)))))
+
+
+class CompactRows(Src):
+    """A batched source whose compact batches (int32 rows) any source of its format expands."""
+
+    compact_format = "rows of int32 values"
+
+    def __init__(self, n: int, offset: int = 0) -> None:
+        super().__init__(n, offset)
+        self.expanded = 0
+
+    def get_batch(self, indices):
+        return self.expand_batch(self.compact_batch(indices))
+
+    def compact_batch(self, indices):
+        return {"values": torch.as_tensor(indices, dtype=torch.int32) + self.offset}
+
+    def expand_batch(self, compact):
+        self.expanded += 1
+        return compact["values"].to(torch.int64).reshape(-1, 1)
+
+
+def test_sources_of_one_compact_format_are_expanded_once_per_batch():
+    a, b = CompactRows(40, 0), CompactRows(30, 1000)
+    mix = MixtureDataset({"a": a, "b": b}, {"a": 1, "b": 1}, block_size=4)
+    idx = np.arange(3, 19)
+    batch = mix.get_batch(idx)
+    assert torch.equal(batch, default_collate(mix.__getitems__(idx.tolist())))
+    assert set(mix.locate(idx)[0].tolist()) == {0, 1} and a.expanded + b.expanded == 1
+    b.compact_format = "another format"  # (on the instance: the mixture made now sees it)
+    other = MixtureDataset({"a": a, "b": b}, {"a": 1, "b": 1}, block_size=4)
+    assert torch.equal(other.get_batch(idx), batch) and a.expanded + b.expanded == 3
+
+
+def test_get_batch_of_sources_with_dicts_and_differing_shapes():
+    wide = [torch.tensor([i, i]) for i in range(10)]
+    mix = MixtureDataset({"narrow": Src(10), "wide": wide}, block_size=4, allow_mixed_items=True)
+    with pytest.raises(ValueError, match="collate_fn"):
+        mix.get_batch(np.arange(8))
+    named = [{"ids": torch.tensor([i]), "name": f"n{i}"} for i in range(10)]
+    other = [{"ids": torch.tensor([100 + i]), "name": f"o{i}"} for i in range(10)]
+    both = MixtureDataset({"n": named, "o": other}, block_size=4)
+    want = default_collate(both.__getitems__(list(range(8))))
+    got = both.get_batch(np.arange(8))
+    assert torch.equal(got["ids"], want["ids"]) and got["name"] == want["name"]
+
+
+def test_the_loader_reads_a_mixture_with_get_batch():
+    a, b = WholeBatches(23, 0), WholeBatches(11, 1000)
+    mix = MixtureDataset({"a": a, "b": b}, {"a": 2, "b": 1}, seed=4, block_size=6, num_samples=40)
+    loader = tc.DataLoader(mix, batch_size=4)
+    assert loader.prefetch_batches == 4  # the in-process fast path, as for its sources
+    got = [batch.flatten().tolist() for batch in loader]
+    assert got == [[int(x) for x in mix.__getitems__(list(range(i, i + 4)))] for i in range(0, 40, 4)]
+    assert len(a.batch_calls) + len(b.batch_calls) <= 2 * len(got)
+
+
 def test_nested_mixture():
     inner = MixtureDataset({"x": Src(5, 100), "y": Src(3, 200)}, {"x": 1, "y": 1}, block_size=2,
                            num_samples=8)
@@ -417,6 +502,10 @@ def test_token_and_document_sources(tmp_path, books, gpt2_tokenizer_path):
         want = (a, b)[k][i]
         assert torch.equal(item["input_ids"], want["input_ids"])
         assert torch.equal(item["labels"], want["labels"])
+    batch = mix.get_batch(np.arange(16))
+    collated = default_collate(items)
+    assert batch.keys() == collated.keys()
+    assert all(torch.equal(batch[key], collated[key]) for key in batch)
     docs = tc.MixtureDataset({"docs": tc.DocumentDataset(tmp_path / "cache"), "toks": a},
                              {"docs": 1, "toks": 1}, block_size=2, allow_mixed_items=True)
     assert len(docs) == len(a) + tc.TokenCache(tmp_path / "cache").num_documents
@@ -521,6 +610,24 @@ def test_the_schedule_alone_maps_indices_as_the_mixture_does():
     clone = pickle.loads(pickle.dumps(schedule))
     assert np.array_equal(clone.locate(idx)[1], schedule.locate(idx)[1])
     assert "MixtureSchedule(a=0.25, b=0.5, c=0.25, 2 stages" in repr(schedule)
+
+
+@pytest.mark.parametrize("block_size", [8, 100, 1024])
+def test_blocks_read_in_order_map_as_indices_read_one_by_one(block_size):
+    """A loader reads the mixture in order, a batch at a time: the schedule then maps whole
+    blocks at once (and keeps them); indices read one at a time, far apart, are mapped alone.
+    Both give the same sources and samples."""
+    lengths = {"a": 7, "b": 10**9, "c": 300}
+    stages = [(0, {"a": 1, "b": 2, "c": 1}), (4 * block_size, {"a": 0, "b": 1, "c": 3})]
+    def schedule():
+        return tc.MixtureSchedule(lengths, schedule=stages, seed=2, block_size=block_size)
+    dense = schedule()
+    start = 3 * block_size + 5  # batches of 16 across blocks and the stage change
+    for first in range(start, start + 3 * block_size, 16):
+        batch = np.arange(first, first + 16)
+        got = dense.locate(batch)
+        want = [schedule().locate_one(int(i)) for i in batch]  # each alone, in a fresh schedule
+        assert list(zip(got[0].tolist(), got[1].tolist())) == want
 
 
 def test_schedule_argument_errors():

@@ -10,22 +10,24 @@ import json
 import os
 import re
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
 import torchcache as tc
+from torchcache._util import hooks
 from torchcache.cli import main
 
-from conftest import build_killed_at_commit, paragraphs, write_jsonl
+from conftest import build_killed_at_commit, paragraphs, python_with_hooks, write_jsonl
 
-CLI = [sys.executable, "-m", "torchcache"]
-CHUNKS_OF_8 = {"TORCHCACHE_TEST_PACK_CHUNK_BLOCKS": "8"}  # 39 blocks: 5 chunk files
+CHUNKS_OF_8 = {"pack_chunk_blocks": 8}  # test hooks: 39 blocks make 5 chunk files
 
 
-def run_cli(*args, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
-    return subprocess.run([*CLI, *map(str, args)], capture_output=True, text=True, timeout=120,
+def run_cli(*args, env: dict[str, str] | None = None, **settings) -> subprocess.CompletedProcess:
+    """`torchcache ARGS` in a subprocess, with the test hooks `settings`."""
+    command = python_with_hooks("from torchcache.cli import main\nsys.exit(main(sys.argv[1:]))",
+                                *map(str, args), **settings)
+    return subprocess.run(command, capture_output=True, text=True, timeout=120,
                           env={**os.environ, "TQDM_DISABLE": "1", **(env or {})})
 
 
@@ -86,10 +88,10 @@ def test_pack_prints_the_packed_datasets_figures_and_a_second_run_reuses_the_pla
 def test_pack_options_plan_dir_json_and_info(cache, tmp_path, monkeypatch, capsys):
     plans = tmp_path / "plans"
     options = ["--seq-len", 128, "--long-docs", "drop", "--max-segments", 4, "--seed", 3]
-    done = run_cli("pack", cache, *options, "--plan-dir", plans, "--json", env=CHUNKS_OF_8)
+    done = run_cli("pack", cache, *options, "--plan-dir", plans, "--json", **CHUNKS_OF_8)
     assert done.returncode == 0, done.stderr
     result = json.loads(done.stdout)
-    monkeypatch.setenv("TORCHCACHE_TEST_PACK_CHUNK_BLOCKS", "8")  # the same plan identity here
+    monkeypatch.setattr(hooks, "pack_chunk_blocks", 8)  # the same plan identity here
     ds = tc.PackedDataset(cache, 128, long_docs="drop", max_segments=4, seed=3,
                           plan_dir=tmp_path / "fresh")
     stats = ds.stats()
@@ -140,7 +142,7 @@ def test_an_interrupted_cache_gets_its_whole_chunks_stored_and_info_says_partial
     docs = write_jsonl(tmp_path / "docs.jsonl", paragraphs(books))
     out = tmp_path / "part"
     assert build_killed_at_commit([docs], out, gpt2_tokenizer_path, 20, block_tokens=2000) == -9
-    monkeypatch.setenv("TORCHCACHE_TEST_PACK_CHUNK_BLOCKS", "8")
+    monkeypatch.setattr(hooks, "pack_chunk_blocks", 8)
     cache = tc.TokenCache(out)
     assert not cache.complete and cache.num_blocks > 8
     assert main(["info", str(out)]) == 0

@@ -19,6 +19,7 @@ from conftest import paragraphs, write_jsonl
 from torch.utils.data import default_collate
 
 import torchcache as tc
+from torchcache._util import hooks
 
 KEYS = ("input_ids", "labels", "position_ids", "cu_seqlens", "num_segments")
 IGNORE = -100
@@ -211,7 +212,7 @@ def test_drop_leaves_long_documents_out(cache, lengths):
 
 
 def test_a_plan_stored_in_many_chunks_gives_the_same_rows(ds, tmp_path, monkeypatch):
-    monkeypatch.setenv("TORCHCACHE_TEST_PACK_CHUNK_BLOCKS", "2")  # a chunk file per 2 blocks
+    monkeypatch.setattr(hooks, "pack_chunk_blocks", 2)  # a chunk file per 2 blocks
     chunked = tc.PackedDataset(ds.cache, 128, plan_dir=tmp_path)
     files = [name for _, _, names in os.walk(tmp_path) for name in names if name.endswith(".pack")]
     assert len(files) == math.ceil(ds.cache.num_blocks / 2)
@@ -362,6 +363,21 @@ def test_mixture_items_are_the_sources_rows(mixture):
         source = mixture.datasets[mixture.names[s]]
         assert_same_batches([default_collate([item])], [default_collate([source[j]])])
         assert_same_batches([default_collate([mixture[i]])], [default_collate([item])])
+
+
+def test_a_mixture_batch_of_packed_rows_equals_its_collated_items(mixture):
+    """Sources of one compact format (same seq_len, pad_id, dtype) are read compact and the
+    batch is expanded once; sources that differ (another pad_id) are batched each on its own
+    and merged: both equal the default collate of the mixture's items."""
+    idx = np.arange(5, 5 + 3 * BATCH)
+    sources = mixture.datasets
+    assert len({s.compact_format for s in sources.values()}) == 1
+    assert_same_batches([mixture.get_batch(idx)], [default_collate(mixture.__getitems__(idx.tolist()))])
+    other = {"first": sources["first"],
+             "second": tc.PackedDataset(sources["second"].cache, 128, pad_id=7)}
+    mixed = tc.MixtureDataset(other, {"first": 1, "second": 1}, seed=0, block_size=16)
+    assert other["first"].compact_format != other["second"].compact_format
+    assert_same_batches([mixed.get_batch(idx)], [default_collate(mixed.__getitems__(idx.tolist()))])
 
 
 def test_mixture_of_packed_sources_resumes_exactly_with_workers(mixture):

@@ -2,7 +2,7 @@
 sidecar (reuse, identity, damage, parallel planning) and plans of a growing cache.
 
 Caches here are real (GPT-2 over book paragraphs) with small blocks, and plans use 4 blocks
-per chunk file (TORCHCACHE_TEST_PACK_CHUNK_BLOCKS) so a cache spans several chunks.
+per chunk file (the test hook ``hooks.pack_chunk_blocks``) so a cache spans several chunks.
 """
 
 from __future__ import annotations
@@ -22,6 +22,7 @@ from hypothesis import strategies as st
 import torchcache as tc
 import torchcache.cli as cli
 import torchcache.read.pack_plan as pack_plan
+from torchcache._util import hooks
 from torchcache.order.permutation import derive_key, mix64
 from torchcache.order.packing import pack_block
 
@@ -32,7 +33,7 @@ SEQ = 128
 
 @pytest.fixture(autouse=True)
 def small_plan_chunks(monkeypatch):
-    monkeypatch.setenv("TORCHCACHE_TEST_PACK_CHUNK_BLOCKS", str(CHUNK_BLOCKS))
+    monkeypatch.setattr(hooks, "pack_chunk_blocks", CHUNK_BLOCKS)
 
 
 # ---------------------------------------------------------------- the packer, against a reference
@@ -453,8 +454,8 @@ def test_planning_in_child_processes_writes_the_same_plan(cache_copy, tmp_path, 
     here one full chunk holds all blocks but the last two, which (under 2 * workers blocks)
     are planned in this process. Children start only for enough tokens: lowered here."""
     blocks = tc.TokenCache(cache_copy).num_blocks
-    monkeypatch.setenv("TORCHCACHE_TEST_PACK_CHUNK_BLOCKS", str(blocks - 2))
-    monkeypatch.setenv("TORCHCACHE_TEST_PACK_TOKENS_PER_CHILD", "1")
+    monkeypatch.setattr(hooks, "pack_chunk_blocks", blocks - 2)
+    monkeypatch.setattr(hooks, "pack_tokens_per_child", 1)
     one = tc.PackedDataset(cache_copy, SEQ, plan_dir=tmp_path / "one")
     in_parent = []
     real = pack_plan.pack_block

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import collections
 import gc
 import json
 import os
@@ -19,7 +20,9 @@ sys.path.insert(0, os.path.dirname(__file__))
 from _helpers_resume import IdDataset, ids, make_loader, run_until  # noqa: E402
 
 import torchcache as tc  # noqa: E402
+from torchcache.read import prefetch  # noqa: E402
 from torchcache.read.prefetch import BatchReader  # noqa: E402
+from torchcache.train.loader import pin_batch  # noqa: E402
 
 THREAD = "torchcache-prefetch"
 
@@ -111,20 +114,29 @@ def test_token_batches_equal_the_plain_loader(cache_path, options):
         assert value.is_contiguous()
 
 
-@pytest.mark.parametrize("labels", ["shifted", "same"])
-def test_batches_widened_into_given_tensors_equal_get_batch(cache_path, labels):
-    """What the loader does with pin_memory=True: the int64 batch is written straight into the
-    (pinned) tensors it allocates, with no second copy."""
-    ds = tc.TokenDataset(cache_path, 96, labels=labels)
-    made = []
+class Pinnable:
+    """Stands for a tensor-like value with its own pin_memory()."""
 
-    def allocate(shape):
-        made.append(torch.empty(shape, dtype=torch.int64))
-        return made[-1]
-    idx = [3, 0, len(ds) - 1, 3]
-    batch, want = ds._get_batch_into(idx, allocate), ds.get_batch(idx)
-    assert batch.keys() == want.keys() and all(torch.equal(batch[k], want[k]) for k in want)
-    assert batch["input_ids"] is made[0] and batch["labels"] is made[1]
+    def __init__(self, pinned: bool = False) -> None:
+        self.pinned = pinned
+
+    def pin_memory(self) -> "Pinnable":
+        return Pinnable(pinned=True)
+
+
+Pair = collections.namedtuple("Pair", "left right")
+
+
+def test_pin_batch_walks_dicts_lists_and_tuples_keeping_their_types():
+    batch = {"a": [Pinnable(), ("text", Pinnable())], "b": Pair(Pinnable(), 3),
+             "c": collections.OrderedDict(x=Pinnable()), "d": "name"}
+    pinned = pin_batch(batch)
+    assert type(pinned) is dict and pinned["d"] == "name"
+    assert isinstance(pinned["a"], list) and pinned["a"][0].pinned
+    assert pinned["a"][1][0] == "text" and pinned["a"][1][1].pinned and type(pinned["a"][1]) is tuple
+    assert type(pinned["b"]) is Pair and pinned["b"].left.pinned and pinned["b"].right == 3
+    assert type(pinned["c"]) is collections.OrderedDict and pinned["c"]["x"].pinned
+    assert not batch["a"][0].pinned  # the batch given is left as it was
 
 
 def _accelerator() -> bool:
@@ -263,12 +275,18 @@ def test_a_new_iter_or_load_state_dict_stops_the_old_iterator():
     assert loader.state_dict() == state
 
 
-def test_a_finished_epoch_ends_its_thread():
+def test_a_finished_epoch_ends_its_thread(monkeypatch):
+    started = []
+
+    class Recorded(threading.Thread):
+        def start(self):
+            started.append(self)
+            super().start()
+    monkeypatch.setattr(prefetch.threading, "Thread", Recorded)
     loader = make_loader(9, 4, prefetch_batches=8)
     it = iter(loader)
-    threads = prefetch_threads()
-    assert [ids(b) for b in it] and len(threads) == 1
-    join_all(threads)
+    assert [ids(b) for b in it] and [t.name for t in started] == [THREAD]
+    join_all(set(started))
     with pytest.raises(StopIteration):
         next(it)
 
@@ -336,8 +354,11 @@ def reader_run(step: float, batches: int = 40, depth: int = 3):
     for k in BatchReader(take, read, depth, clock=clock):
         received.append(k)
         clock.advance(step)
-        if step:
-            time.sleep(0.002)  # real time for the thread to read ahead meanwhile
+        if step:  # a busy step: it lasts until the thread has read the next batch ahead
+            deadline = time.monotonic() + 60  # (fails only on a hang)
+            while k + 1 < batches and k + 1 not in readers:
+                assert time.monotonic() < deadline, "the reader thread never read ahead"
+                time.sleep(0.001)
     return received, [readers[k] for k in range(batches)]
 
 
@@ -353,7 +374,7 @@ def test_a_busy_loop_has_its_batches_read_ahead():
     """The loop spends longer between batches than a read takes: the thread reads ahead."""
     received, readers = reader_run(step=10.0)
     assert received == list(range(40))
-    assert readers.count(THREAD) >= 20, readers
+    assert readers[1:] == [THREAD] * 39, readers
 
 
 def test_the_fast_mode_gives_the_same_batches_whichever_thread_reads(cache_path):
@@ -425,3 +446,142 @@ def test_a_failure_to_take_indices_reaches_the_loop_in_order(step):
             if step:
                 time.sleep(0.002)
     assert received == [0, 1, 2, 3, 4]
+
+
+# ---------------------------------------------------------------- the batched protocol (get_batch)
+
+class Squares(Dataset):
+    """A user's dataset that makes whole batches (get_batch); counts the calls of each kind."""
+
+    fingerprint = "squares"
+
+    def __init__(self, n: int = 30) -> None:
+        self.n, self.batch_calls, self.item_calls = n, 0, 0
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
+        self.item_calls += 1
+        return {"x": torch.tensor(i * i), "pair": torch.tensor([i, -i])}
+
+    def get_batch(self, indices):
+        self.batch_calls += 1
+        idx = torch.as_tensor(indices)
+        info = torch.utils.data.get_worker_info()  # in a worker: the view of whole batches
+        assert info is None or info.dataset.dataset is self
+        return {"x": idx * idx, "pair": torch.stack([idx, -idx], dim=1)}
+
+
+class Cubes(Squares):
+    """Redefines its items but not get_batch: the inherited get_batch would be wrong for it."""
+
+    def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
+        return {"x": torch.tensor(i ** 3), "pair": torch.tensor([i, i])}
+
+
+def batches_of(ds, **options):
+    loader = tc.DataLoader(ds, batch_size=4, sampler=tc.DistributedSampler(ds, seed=2), **options)
+    return [{k: v.tolist() for k, v in batch.items()} for batch in loader]
+
+
+@pytest.mark.parametrize("mode", [{}, {"prefetch_batches": 0}, {"num_workers": 2},
+                                  {"num_workers": 2, "persistent_workers": True}])
+def test_any_dataset_with_get_batch_takes_the_fast_path_in_every_mode(mode):
+    items = batches_of(Squares(), collate_fn=default_collate)  # items, then torch's collate
+    ds = Squares()
+    assert batches_of(ds, **mode) == items and len(items) == 8
+    if not mode.get("num_workers"):
+        assert ds.batch_calls == 8 and ds.item_calls == 0
+    assert tc.DataLoader(ds, batch_size=4).prefetch_batches == 4  # the default: read ahead
+
+
+def test_a_subclass_that_redefines_items_is_read_through_them():
+    cubes = Cubes()
+    got = batches_of(cubes)
+    assert cubes.batch_calls == 0 and got == batches_of(Cubes(), collate_fn=default_collate)
+    assert got[0]["x"] == [p[0] ** 3 for p in got[0]["pair"]]
+    assert tc.DataLoader(cubes, batch_size=4).prefetch_batches == 0
+
+
+class Exclusive(Dataset):
+    """Fails if two threads are inside __getitem__ at once."""
+
+    fingerprint = "exclusive"
+
+    def __init__(self) -> None:
+        self.inside = 0
+        self.lock = threading.Lock()
+
+    def __len__(self) -> int:
+        return 64
+
+    def __getitem__(self, i: int) -> torch.Tensor:
+        with self.lock:
+            self.inside += 1
+            assert self.inside == 1, "two threads read the dataset at once"
+        time.sleep(0.001)  # leaves room for another thread to come in, were it allowed to
+        with self.lock:
+            self.inside -= 1
+        return torch.tensor([i])
+
+
+def test_datasets_without_get_batch_are_read_by_one_thread_at_a_time():
+    ds = Exclusive()
+    loader = tc.DataLoader(ds, batch_size=2, sampler=tc.DistributedSampler(ds, shuffle=False),
+                           prefetch_batches=3)
+    assert [ids(b) for b in loader] == [[i, i + 1] for i in range(0, 64, 2)]
+
+
+def test_timeout_needs_a_reader_thread_or_workers():
+    with pytest.raises(ValueError, match="timeout"):
+        tc.DataLoader(IdDataset(10), batch_size=2, timeout=5)
+    tc.DataLoader(IdDataset(10), batch_size=2, timeout=5, prefetch_batches=2)
+
+
+class MapBudget(Dataset):
+    """Item i: the map budget of the cache it reads, where it is read."""
+
+    def __init__(self, cache) -> None:
+        self.cache = cache
+
+    def __len__(self) -> int:
+        return 8
+
+    def __getitem__(self, i: int) -> torch.Tensor:
+        self.cache.read(i, i + 1)
+        return torch.tensor(self.cache.map_bytes)
+
+
+def test_workers_read_their_caches_with_pread_only(cache_path):
+    cache = tc.TokenCache(cache_path)
+    plain = MapBudget(cache)
+    mixed = tc.MixtureDataset({"a": MapBudget(cache), "b": MapBudget(cache)}, block_size=4)
+
+    def budgets(ds, **options):
+        loader = tc.DataLoader(ds, batch_size=4, sampler=tc.DistributedSampler(ds, seed=0), **options)
+        return {int(x) for batch in loader for x in batch}
+    assert budgets(plain) == {cache.map_bytes} and cache.map_bytes > 0
+    assert budgets(plain, num_workers=2) == {0} and budgets(mixed, num_workers=2) == {0}
+    assert plain.cache is cache and cache.map_bytes > 0  # this process's dataset is unchanged
+
+
+class Planned(IdDataset):
+    """Records the plan_reads calls a loader makes."""
+
+    def __init__(self, n: int) -> None:
+        super().__init__(n)
+        self.plans: list[tuple[object, int]] = []
+
+    def plan_reads(self, sampler, num_workers: int) -> None:
+        self.plans.append((sampler, num_workers))
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+def test_each_iterator_plans_the_reads_of_its_sampler_first(workers):
+    ds = Planned(12)
+    loader = tc.DataLoader(ds, batch_size=4, num_workers=workers)
+    assert ds.plans == []  # making a loader (or a sampler) plans nothing
+    assert [ids(b) for b in loader] == [[0, 1, 2, 3], [4, 5, 6, 7], [8, 9, 10, 11]]
+    iter(loader)
+    assert ds.plans == [(loader.sampler, workers)] * 2

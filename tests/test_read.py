@@ -45,6 +45,44 @@ def test_read_ranges_cross_blocks_and_match_documents(cache_dir, gpt2):
         cache.document(cache.num_documents)
 
 
+def test_one_gather_serves_ranges_rows_and_spans(cache_dir):
+    """read_ranges (the gather every read goes through): ranges of any length, crossing blocks,
+    empty ones (even at the very end), packed where out_offsets says; read_many is its equal
+    rows. Checked against the whole stream, with maps and with pread."""
+    root, _ = cache_dir
+    for cache in (tc.TokenCache(root), tc.TokenCache(root, map_bytes=0)):
+        n = cache.num_tokens
+        everything = cache.read(0, n)
+        rng = np.random.default_rng(1)
+        starts = rng.integers(0, n - 4000, 300)
+        lengths = rng.integers(0, 4000, 300)  # many cross one or more blocks (1,500 tokens)
+        starts[:2], lengths[:2] = n, 0  # empty, at the very end
+        flat = cache.read_ranges(starts, lengths)
+        assert np.array_equal(flat, np.concatenate([everything[s:s + k] for s, k in zip(starts, lengths)]))
+        gaps = np.cumsum(lengths + 3) - lengths  # 3 tokens left alone before each range
+        out = np.full(int(gaps[-1] + lengths[-1]), 7, dtype=cache.dtype)
+        assert cache.read_ranges(starts, lengths, out, gaps) is out
+        for s, k, at in zip(starts, lengths, gaps):
+            assert np.array_equal(out[at:at + k], everything[s:s + k]) and (out[at - 3:at] == 7).all()
+        rows = cache.read_many(starts[2:], 700)
+        assert rows.shape == (298, 700)
+        assert all(np.array_equal(r, everything[s:s + 700]) for s, r in zip(starts[2:], rows))
+        assert cache.read_ranges([], []).shape == (0,)
+        for call, error, match in [
+            (lambda: cache.read_ranges([0, 1], [1]), ValueError, "lengths"),
+            (lambda: cache.read_ranges([0.5], [1]), TypeError, "starts"),
+            (lambda: cache.read_ranges([0], [-1]), IndexError, "token range"),
+            (lambda: cache.read_ranges([n - 1], [2]), IndexError, "token range"),
+            (lambda: cache.read_ranges([0], [5], np.empty(4, cache.dtype)), IndexError, "out"),
+            (lambda: cache.read_ranges([0], [5], np.empty(5, np.int64)), ValueError, "out"),
+            (lambda: cache.read_ranges([0], [5], None, [0, 1]), ValueError, "out_offsets"),
+            (lambda: cache.read(0, 5, out=np.empty(4, cache.dtype)), ValueError, "out"),
+        ]:
+            with pytest.raises(error, match=match):
+                call()
+        cache.close()
+
+
 def test_pickle_is_small_and_works_after_fork(cache_dir):
     root, _ = cache_dir
     cache = tc.TokenCache(root)

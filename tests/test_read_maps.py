@@ -1,5 +1,6 @@
-"""Reading through memory maps within a budget: the same tokens as pread, bounded RSS, none in
-DataLoader workers (TORCHCACHE_MAP_BYTES; see torchcache/read.py)."""
+"""Reading through memory maps within a cache's budget (``TokenCache(..., map_bytes=)``): the
+same tokens as pread, bounded mapped bytes, and nothing mapped where the budget is 0 (what a
+loader gives its DataLoader workers, see TokenCache.with_map_bytes)."""
 
 from __future__ import annotations
 
@@ -18,7 +19,8 @@ pytestmark = pytest.mark.skipif(not os.path.exists("/proc/self/maps"),
                                 reason="counts mapped files in /proc/self/maps (Linux)")
 
 # A user's script (no __main__ guard): everything a training job reads, hashed, and the block
-# files this process has mapped (from /proc/self/maps), with their sizes.
+# files this process has mapped (from /proc/self/maps), with their sizes. argv: root, map_bytes
+# ("default": the argument not given).
 READ_EVERYTHING = """
 import hashlib, json, os, sys
 import numpy as np
@@ -30,11 +32,13 @@ def mapped_blocks(root):
     return {p: os.path.getsize(p) for p in paths
             if p.startswith(os.path.join(root, 'blocks')) and os.path.exists(p)}
 
-root = sys.argv[1]
-cache = tc.TokenCache(root)
+root, budget = sys.argv[1], sys.argv[2]
+cache = tc.TokenCache(root) if budget == "default" else tc.TokenCache(root, map_bytes=budget)
 h = hashlib.sha256()
 h.update(cache.read(0, cache.num_tokens).tobytes())
 h.update(cache.read_many(np.arange(0, cache.num_tokens - 100, 37), 100).tobytes())  # rows cross blocks
+spans = np.arange(0, cache.num_tokens - 3000, 1001)
+h.update(cache.read_ranges(spans, spans % 2999).tobytes())  # ranges of many lengths, crossing blocks
 for ds in (tc.TokenDataset(cache, 64), tc.PackedDataset(cache, 64)):
     for batch in tc.DataLoader(ds, batch_size=8, shuffle=True):  # prefetch thread and loop thread
         for value in batch.values():
@@ -49,7 +53,8 @@ print(json.dumps({"digest": h.hexdigest(), "mapped": during, "after_close": afte
                   "blocks": cache.num_blocks}))
 """
 
-# Items that say how many block files the process reading them has mapped.
+# Items that say how many block files the process reading them has mapped; argv: root, map_bytes
+# of the cache the workers read.
 IN_WORKERS = """
 import json, os, sys
 import torch
@@ -65,10 +70,14 @@ class MappedBlocks(torch.utils.data.Dataset):
         with open('/proc/self/maps') as f:
             return sum(os.path.join(sys.argv[1], 'blocks') in line for line in f)
 
-ds = MappedBlocks(tc.TokenDataset(sys.argv[1], 64))
-in_workers = [int(batch.max()) for batch in tc.DataLoader(ds, batch_size=4, num_workers=2)]
-in_main = [int(batch.max()) for batch in tc.DataLoader(ds, batch_size=4, prefetch_batches=0)]
-print(json.dumps({"workers": max(in_workers), "main": max(in_main)}))
+cache = tc.TokenCache(sys.argv[1])
+workers_cache = cache.with_map_bytes(int(sys.argv[2]))
+in_workers = [int(batch.max()) for batch in torch.utils.data.DataLoader(
+    MappedBlocks(tc.TokenDataset(workers_cache, 64)), batch_size=4, num_workers=2)]
+in_main = [int(batch.max()) for batch in torch.utils.data.DataLoader(
+    MappedBlocks(tc.TokenDataset(cache, 64)), batch_size=4)]
+print(json.dumps({"workers": max(in_workers), "main": max(in_main),
+                  "map_bytes": [cache.map_bytes, workers_cache.map_bytes]}))
 """
 
 
@@ -80,27 +89,22 @@ def cache_root(tmp_path_factory, books, gpt2_tokenizer_path) -> str:
     return str(tmp / "cache")
 
 
-def run(code: str, root: str, budget: str | None) -> subprocess.CompletedProcess:
-    env = {k: v for k, v in os.environ.items() if k != "TORCHCACHE_MAP_BYTES"}
-    if budget is not None:
-        env["TORCHCACHE_MAP_BYTES"] = budget
-    return subprocess.run([sys.executable, "-c", code, root], capture_output=True, text=True,
-                          timeout=300, env=env, cwd=str(Path(__file__).parent.parent))
-
-
-def result(code: str, root: str, budget: str | None) -> dict:
-    done = run(code, root, budget)
+def result(code: str, *args: str, env: dict[str, str] | None = None) -> dict:
+    done = subprocess.run([sys.executable, "-c", code, *args], capture_output=True, text=True,
+                          timeout=300, env={**os.environ, **(env or {})},
+                          cwd=str(Path(__file__).parent.parent))
     assert done.returncode == 0, done.stderr
     return json.loads(done.stdout.splitlines()[-1])
 
 
 def test_maps_within_the_budget_read_the_same_tokens_as_pread(cache_root):
-    default = result(READ_EVERYTHING, cache_root, None)
+    # the environment is not read: the read mode is the argument's alone (here the default)
+    default = result(READ_EVERYTHING, cache_root, "default", env={"TORCHCACHE_MAP_BYTES": "0"})
     pread = result(READ_EVERYTHING, cache_root, "0")
     sizes = sorted(os.path.getsize(p) for p in Path(cache_root, "blocks").rglob("*")
                    if p.is_file() and p.suffix == ".safetensors" and ".offsets" not in p.name)
     budget = sum(sizes[-3:])  # room for about three of the cache's blocks
-    bounded = result(READ_EVERYTHING, cache_root, str(budget))
+    bounded = result(READ_EVERYTHING, cache_root, f"{budget}B")
     assert default["blocks"] > 10
     assert default["digest"] == pread["digest"] == bounded["digest"]
     assert len(default["mapped"]) == default["blocks"]  # a small cache: every block mapped
@@ -113,15 +117,31 @@ def test_maps_within_the_budget_read_the_same_tokens_as_pread(cache_root):
     assert default["reopened"] == {} and default["same_again"]
 
 
-def test_dataloader_workers_read_with_pread(cache_root):
-    """Workers (many per GPU) never map blocks, so their RSS stays flat; the main process does."""
-    counts = result(IN_WORKERS, cache_root, None)
-    assert counts["workers"] == 0
+def test_workers_given_a_copy_with_map_bytes_0_map_nothing(cache_root):
+    """Worker processes read with pread when their cache says so, so their RSS stays flat; the
+    decision is the cache's own (the same code maps in workers given a budget)."""
+    counts = result(IN_WORKERS, cache_root, "0")
+    assert counts == {"workers": 0, "main": counts["main"], "map_bytes": [256 << 20, 0]}
     assert counts["main"] > 0
+    assert result(IN_WORKERS, cache_root, str(1 << 30))["workers"] > 0
 
 
-@pytest.mark.parametrize("value", ["lots", "-1", "1.5.GB"])
-def test_a_bad_budget_names_the_variable(cache_root, value):
-    done = run("import sys, torchcache as tc; tc.TokenCache(sys.argv[1]).read(0, 10)", cache_root, value)
-    assert done.returncode != 0
-    assert "TORCHCACHE_MAP_BYTES" in done.stderr and value in done.stderr
+def test_each_cache_has_its_own_budget_and_copies_share_nothing_open(cache_root):
+    cache = tc.TokenCache(cache_root, map_bytes="1MiB")
+    tokens = cache.read(0, cache.num_tokens)
+    copy = cache.with_map_bytes(0)
+    assert (copy.map_bytes, cache.map_bytes) == (0, 1 << 20)
+    assert (copy.read(0, copy.num_tokens) == tokens).all()
+    copy.close()  # closes only its own blocks
+    assert (cache.read(0, cache.num_tokens) == tokens).all()
+    cache.close()
+
+
+@pytest.mark.parametrize("value, error", [("lots", ValueError), ("-1", ValueError),
+                                          ("1.5.GB", ValueError), (-1, ValueError),
+                                          (1.5, TypeError)])
+def test_a_bad_budget_names_the_argument(cache_root, value, error):
+    with pytest.raises(error, match="map_bytes"):
+        tc.TokenCache(cache_root, map_bytes=value)
+    with pytest.raises(error, match="map_bytes"):
+        tc.TokenCache(cache_root).with_map_bytes(value)

@@ -7,11 +7,14 @@ that hold for every interleaving (the copy directory is checked at every batch).
 
 from __future__ import annotations
 
+import gc
 import json
 import os
 import re
 import subprocess
 import sys
+import tempfile
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -19,11 +22,18 @@ import torch
 from conftest import paragraphs, write_jsonl
 
 import torchcache as tc
-from torchcache.read.local_copies import LocalCopies, copy_name, parse_size, tree_bytes
+from torchcache.read.local_copies import STATS_DIR, LocalCopies, SessionStats, copy_name, parse_size
 
 BLOCK = 2_000  # tokens per block: ~40 blocks of ~4 KB
 BLOCK0 = "blocks/000000-000000.safetensors"
 SEQ = 64
+
+
+def tree_bytes(folder) -> int:
+    """Bytes of the local copies under ``folder``: every file but reading sessions' counters
+    (``.stats``, which are not copies and not under the limit)."""
+    return sum(p.stat().st_size for p in Path(folder).rglob("*")
+               if p.is_file() and STATS_DIR not in p.relative_to(folder).parts)
 
 
 # ---------------------------------------------------------------- no server needed
@@ -87,6 +97,41 @@ def test_dead_writers_reservation_is_reclaimed(tmp_path):
     reservation.commit(b"x" * 500)
     assert (tmp_path / "blocks" / "000000-000000.safetensors").read_bytes() == b"x" * 500
     assert copies.usage() == 500
+
+
+def test_session_counters_live_in_the_copy_directory_and_go_with_the_session(tmp_path, monkeypatch):
+    """Counters of a reading session are summed over its processes (a forked DataLoader
+    worker's too), kept in the copy directory (never in $TMPDIR) and removed with the session;
+    a session whose process was killed is removed by the next one."""
+    temp = tmp_path / "tmpdir"
+    temp.mkdir()
+    monkeypatch.setattr(tempfile, "tempdir", str(temp))
+    folder = tmp_path / "copies" / STATS_DIR
+    stats = SessionStats(str(folder))
+    session = folder / stats.session
+    stats.add("hits", 2)
+    pid = os.fork()
+    if pid == 0:  # a worker: its own counters, in its own file
+        stats.add_many({"hits": 3, "misses": 1})
+        stats.flush()
+        os._exit(0)
+    assert os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1]) == 0
+    totals = stats.totals()
+    assert (totals["hits"], totals["misses"]) == (5, 1)
+    assert sorted(p.name for p in session.iterdir()) == sorted(
+        [f"{os.getpid()}.bin", f"{pid}.bin", "owner.lock"])
+    killed = folder / "0123abcd"  # a session whose first process died: nobody holds its lock
+    killed.mkdir()
+    (killed / "owner.lock").touch()
+    (killed / "42.bin").write_bytes(b"\0" * 8)
+    other = SessionStats(str(folder))
+    assert not killed.exists() and session.exists()  # ours is alive: kept
+    del stats, other
+    gc.collect()
+    assert list(folder.iterdir()) == [] and list(temp.iterdir()) == []
+    in_memory = SessionStats(None)
+    in_memory.add("misses", 4)
+    assert in_memory.totals()["misses"] == 4
 
 
 # ---------------------------------------------------------------- on S3 (moto)
@@ -234,6 +279,27 @@ def test_plan_reads_fetches_ahead(tmp_path, remote, s3):
 
 
 @pytest.mark.s3
+def test_ranged_reads_are_made_block_by_block(tmp_path, remote, s3):
+    """A batch read by range asks for each block's run of touching ranges once (not once per
+    range), and a range crossing blocks once per block."""
+    url, local, _ = remote
+    ref = tc.TokenCache(local)
+    cache = tc.TokenCache(url, storage_options=s3, local_dir=str(tmp_path / "copies"),
+                          cache_limit=1, readahead=0)  # no block fits: every read is ranged
+    edges = ref.block_token_starts()
+    windows = int(edges[2]) + np.arange(6) * SEQ  # 6 windows of SEQ + 1 tokens: each touches the next
+    across = int(edges[5]) - 10  # 20 tokens: the end of block 4, the start of block 5
+    starts, lengths = np.r_[windows, across], np.r_[np.full(6, SEQ + 1), 20]
+    assert np.array_equal(cache.read_ranges(starts, lengths), ref.read_ranges(starts, lengths))
+    before = cache.stats()  # (the first reads of a block verify it whole, once per machine)
+    assert np.array_equal(cache.read_ranges(starts, lengths), ref.read_ranges(starts, lengths))
+    after = cache.stats()
+    assert after["ranged_reads"] - before["ranged_reads"] == 3  # blocks 2, 4 and 5
+    assert after["ranged_bytes"] - before["ranged_bytes"] == (6 * SEQ + 1 + 20) * ref.dtype.itemsize
+    assert after["misses"] - before["misses"] == 7 and after["hits"] == 0
+
+
+@pytest.mark.s3
 def test_resumed_loader_follows_the_new_position(tmp_path, remote, s3):
     url, local, _ = remote
     cache = tc.TokenCache(url, storage_options=s3, local_dir=str(tmp_path / "copies"),
@@ -319,7 +385,8 @@ def test_damaged_remote_blocks_are_reported_with_their_url(tmp_path, remote, s3)
                           cache_limit="1MB")  # room: block 0 is copied whole, and checked
     with pytest.raises(tc.CacheFormatError, match=f"{damaged}/{bad}: download failed 3 times.*checksum"):
         cache.read(0, 10)
-    assert not [p for p in (tmp_path / "a").rglob("*") if p.is_file() and p.name != ".copies.lock"]
+    assert not [p for p in (tmp_path / "a").rglob("*")
+                if p.is_file() and p.name != ".copies.lock" and STATS_DIR not in p.parts]
 
     starts = tc.TokenCache(local).block_token_starts()
     missing = "blocks/000001-000000.safetensors"  # block 1 of the stream

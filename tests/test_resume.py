@@ -20,13 +20,20 @@ from torchcache.format.ledger import read_manifest
 BLOCK = 2_000
 
 
-@pytest.fixture()
-def big_shards(tmp_path, books):
-    """Four real shards, about 300 K tokens: slow enough to be interrupted mid-way."""
+@pytest.fixture(scope="module")
+def big_shards(tmp_path_factory, books):
+    """Four real shards, about 300 K tokens: slow enough to be interrupted mid-way (read only)."""
     docs = paragraphs(books)
-    d = tmp_path / "in"
-    d.mkdir()
+    d = tmp_path_factory.mktemp("in")
     return [write_jsonl(d / f"s{i}.jsonl", docs[i % 2::2] + docs[: 500 * (i + 1)]) for i in range(4)]
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory, big_shards, gpt2_tokenizer_path):
+    """The uninterrupted one-worker build of `big_shards` that the interrupted ones must equal
+    byte for byte (read only: tests compare against it, none writes to it)."""
+    return tc.build_cache(big_shards, tmp_path_factory.mktemp("ref") / "cache", gpt2_tokenizer_path,
+                          block_tokens=BLOCK, num_workers=1, progress=False)
 
 
 def _committed(root: str) -> list[dict]:
@@ -47,10 +54,8 @@ def _stamps(root: str, entries: list[dict]) -> dict[str, tuple[int, int]]:
 
 
 @pytest.mark.slow
-def test_kill_9_at_several_points_then_resume_gives_the_same_cache(tmp_path, big_shards,
+def test_kill_9_at_several_points_then_resume_gives_the_same_cache(tmp_path, big_shards, reference,
                                                                      gpt2_tokenizer_path):
-    reference = tc.build_cache(big_shards, tmp_path / "ref", gpt2_tokenizer_path, block_tokens=BLOCK,
-                               num_workers=1, progress=False)
     assert reference.num_blocks > 60
     out = str(tmp_path / "killed")
     previous: dict = {}
@@ -82,7 +87,7 @@ def _stream_hash(cache: tc.TokenCache, num_tokens: int) -> str:
 
 
 @pytest.mark.slow
-def test_reader_during_background_build_sees_only_complete_blocks(tmp_path, big_shards,
+def test_reader_during_background_build_sees_only_complete_blocks(tmp_path, big_shards, reference,
                                                                     gpt2_tokenizer_path):
     """A reader polling a cache while a 2-worker background build grows it: whatever it observes
     (however the timing falls) is complete, checksummed, and a prefix of the final cache."""
@@ -111,11 +116,9 @@ def test_reader_during_background_build_sees_only_complete_blocks(tmp_path, big_
     result = handle.wait()
     assert handle.error is None and cache.refresh() is False and cache.complete
     assert cache.num_tokens == result.num_tokens and handle.progress["complete"]
-    ref = tc.build_cache(big_shards, tmp_path / "ref", gpt2_tokenizer_path, block_tokens=BLOCK,
-                         num_workers=1, progress=False)
-    assert tree_bytes(str(out)) == tree_bytes(ref.path)
+    assert tree_bytes(str(out)) == tree_bytes(reference.path)
 
-    final = tc.TokenCache(ref.path)
+    final = tc.TokenCache(reference.path)
     final_blocks = read_manifest(str(out))["blocks"]
     assert seen[-1] == (final.num_blocks, final.num_tokens, True,
                         _stream_hash(final, final.num_tokens))
@@ -166,7 +169,7 @@ def test_a_reader_follows_a_build_that_grows_in_steps(tmp_path, big_shards, gpt2
 
 
 @pytest.mark.slow
-def test_cancel_keeps_committed_blocks_and_resumes(tmp_path, big_shards, gpt2_tokenizer_path):
+def test_cancel_keeps_committed_blocks_and_resumes(tmp_path, big_shards, reference, gpt2_tokenizer_path):
     out = tmp_path / "c"
     handle = tc.build_cache(big_shards, out, gpt2_tokenizer_path, block_tokens=BLOCK,
                             num_workers=2, background=True)
@@ -179,9 +182,7 @@ def test_cancel_keeps_committed_blocks_and_resumes(tmp_path, big_shards, gpt2_to
         with pytest.raises(tc.BuildError):
             handle.wait()
     tc.build_cache(big_shards, out, gpt2_tokenizer_path, block_tokens=BLOCK, progress=False)
-    ref = tc.build_cache(big_shards, tmp_path / "ref", gpt2_tokenizer_path, block_tokens=BLOCK,
-                         num_workers=1, progress=False)
-    assert tree_bytes(str(out)) == tree_bytes(ref.path)
+    assert tree_bytes(str(out)) == tree_bytes(reference.path)
 
 
 # ------------------------------------------------------------------ bad input

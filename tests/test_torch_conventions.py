@@ -57,8 +57,9 @@ def test_positional_binding_and_the_world_size_alias():
         tc.DistributedSampler(ds, 0)
     with pytest.raises(ValueError, match="rank"):
         tc.DistributedSampler(ds, 2, 2)
-    with pytest.raises(TypeError):  # everything after seed is keyword-only
-        tc.DistributedSampler(ds, 2, 1, False, 0, 3)
+    assert tc.DistributedSampler(ds, 2, 1, False, 0, True).drop_last  # torch's order: drop_last 6th
+    with pytest.raises(TypeError):  # everything after drop_last is keyword-only
+        tc.DistributedSampler(ds, 2, 1, False, 0, False, 3)
 
 
 def test_a_loader_without_a_sampler_reads_in_order_like_torch():

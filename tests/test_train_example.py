@@ -175,7 +175,7 @@ def test_pack_attention_stays_inside_documents(tmp_path, pack_corpus, gpt2_token
 
     torch.manual_seed(0)
     model = example.GPT(ds.cache.vocab_size, SEQ).eval()
-    checked = 0
+    checked = 0  # documents after another one in their row (the first rows' documents suffice)
     with torch.no_grad():
         for r in range(len(ds)):
             cu = batch["cu_seqlens"][r].tolist()
@@ -188,5 +188,7 @@ def test_pack_attention_stays_inside_documents(tmp_path, pack_corpus, gpt2_token
                 packed = model(ids[r:r + 1], only, pos[r:r + 1])
                 alone = model(ids[r:r + 1, s:e], labels[r:r + 1, s:e], torch.arange(e - s)[None])
                 assert torch.allclose(packed, alone, rtol=1e-5, atol=1e-5), (r, k)
-                checked += s > 0  # a document after another one in its row
+                checked += s > 0
+            if checked >= 20:
+                break
     assert checked >= 20

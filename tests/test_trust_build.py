@@ -7,11 +7,11 @@ import json
 import os
 import signal
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
-from conftest import build_killed_at_commit, moto_s3, paragraphs, tree_bytes, write_jsonl
+from conftest import (build_killed_at_commit, moto_s3, paragraphs, python_with_hooks, tree_bytes,
+                      write_jsonl)
 
 import torchcache as tc
 import torchcache.build.engine as engine
@@ -87,7 +87,7 @@ def test_the_same_iterable_again_is_read_but_neither_tokenized_nor_rewritten(tmp
 
 
 _ITERABLE_BUILD = """
-import json, sys, torchcache as tc
+import torchcache as tc
 texts = json.loads(open(sys.argv[1], encoding="utf-8").read())
 tc.build_cache(iter(texts), sys.argv[2], sys.argv[3], block_tokens={block}, progress=False)
 """
@@ -98,9 +98,9 @@ def test_an_interrupted_iterable_build_resumed_with_other_texts_is_refused(tmp_p
     listed = tmp_path / "texts.json"
     listed.write_text(json.dumps(texts), encoding="utf-8")
     out = tmp_path / "c"
-    env = dict(os.environ, TORCHCACHE_TEST_KILL_AFTER_COMMITS="4")
-    code = subprocess.run([sys.executable, "-c", _ITERABLE_BUILD.format(block=BLOCK), str(listed),
-                           str(out), gpt2_tokenizer_path], env=env, timeout=300).returncode
+    command = python_with_hooks(_ITERABLE_BUILD.format(block=BLOCK), str(listed), str(out),
+                                gpt2_tokenizer_path, kill_after_commits=4)
+    code = subprocess.run(command, timeout=300).returncode
     assert code == -signal.SIGKILL
     kept = read_manifest(str(out))
     assert kept["blocks"] and not kept["complete"]

@@ -26,10 +26,10 @@ from tokenizers import Tokenizer, models, pre_tokenizers
 import torchcache as tc
 from torchcache.errors import BuildError, CacheFormatError
 
-from conftest import as_format_v1, build_killed_at_commit, paragraphs, tree_bytes, write_jsonl
+from conftest import (as_format_v1, build_killed_at_commit, paragraphs, python_with_hooks, tree_bytes,
+                      write_jsonl)
 
-CLI = [sys.executable, "-m", "torchcache"]
-CHUNKS_OF_4 = {"TORCHCACHE_TEST_PACK_CHUNK_BLOCKS": "4"}
+CHUNKS_OF_4 = {"pack_chunk_blocks": 4}  # test hooks: pack plans of 4 blocks per chunk file
 
 # Runs the command line in this interpreter, held forever just before it renames a temporary
 # file to a name under folder argv[1] ending with argv[2] (the test then kills it with SIGKILL).
@@ -49,17 +49,20 @@ sys.exit(main(sys.argv[3:]))
 """
 
 
-def run_cli(*args, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
-    return subprocess.run([*CLI, *map(str, args)], capture_output=True, text=True, timeout=300,
-                          env={**os.environ, "TQDM_DISABLE": "1", **(env or {})})
+def run_cli(*args, **settings) -> subprocess.CompletedProcess:
+    """`torchcache ARGS` in a subprocess, with the test hooks `settings`."""
+    command = python_with_hooks("from torchcache.cli import main\nsys.exit(main(sys.argv[1:]))",
+                                *map(str, args), **settings)
+    return subprocess.run(command, capture_output=True, text=True, timeout=300,
+                          env={**os.environ, "TQDM_DISABLE": "1"})
 
 
 def kill_when_temp_file_appears(final_suffix: str, folder: Path, *args,
-                                env: dict[str, str] | None = None) -> Path:
-    """Run `torchcache ARGS`, SIGKILL it once it holds a finished temporary file of a name ending
-    with `final_suffix` under `folder`; that file, left behind."""
-    proc = subprocess.Popen([sys.executable, "-c", _HELD_BEFORE_RENAME, str(folder), final_suffix,
-                             *map(str, args)],
+                                env: dict[str, str] | None = None, **settings) -> Path:
+    """Run `torchcache ARGS` (with the test hooks `settings`), SIGKILL it once it holds a finished
+    temporary file of a name ending with `final_suffix` under `folder`; that file, left behind."""
+    proc = subprocess.Popen(python_with_hooks(_HELD_BEFORE_RENAME, str(folder), final_suffix,
+                                              *map(str, args), **settings),
                             env={**os.environ, "TQDM_DISABLE": "1", **(env or {})},
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE)
     try:
@@ -210,11 +213,11 @@ def test_a_rerun_of_a_killed_pack_removes_its_temporary_file_but_not_a_live_ones
     plans = built / "packs"
     plans.mkdir()
     left = kill_when_temp_file_appears(".pack", plans, "pack", built, "--seq-len", 128,
-                                       env=CHUNKS_OF_4)
+                                       **CHUNKS_OF_4)
     live = left.parent / f"000001.pack.tmp-{live_process}"
     live.write_bytes(b"a live process is writing this")
 
-    done = run_cli("pack", built, "--seq-len", 128, env=CHUNKS_OF_4)
+    done = run_cli("pack", built, "--seq-len", 128, **CHUNKS_OF_4)
     assert done.returncode == 0, done.stderr
     assert not left.exists() and live.exists()
     assert sorted(p.name for p in left.parent.iterdir() if ".tmp-" in p.name) == [live.name]

@@ -217,25 +217,22 @@ def test_a_bug_is_not_reported_as_corruption(tmp_path):
 _TRUNCATED = """
 import os, sys
 import torchcache as tc
-cache = tc.TokenCache(sys.argv[1])
-cache.read(0, 10)  # block 0 is open (mapped, unless TORCHCACHE_MAP_BYTES=0)
+cache = tc.TokenCache(sys.argv[1], map_bytes=sys.argv[3])
+cache.read(0, 10)  # block 0 is open (mapped, unless map_bytes is 0)
 os.truncate(sys.argv[2], 0)  # another program cuts it short
 cache.read(100, 110)
 """
 
 
-@pytest.mark.parametrize("map_bytes", [None, "0"])
+@pytest.mark.parametrize("map_bytes", ["256MiB", "0"])
 def test_a_mapped_block_cut_short_names_the_file_in_the_last_words(tmp_path, built, map_bytes):
     a, _ = built
     cache = tmp_path / "cache"
     shutil.copytree(a, cache)
     block = str(cache / BLOCK0)
-    env = {k: v for k, v in os.environ.items() if k != "TORCHCACHE_MAP_BYTES"}
-    if map_bytes is not None:
-        env["TORCHCACHE_MAP_BYTES"] = map_bytes
-    run = subprocess.run([sys.executable, "-c", _TRUNCATED, str(cache), block], env=env,
+    run = subprocess.run([sys.executable, "-c", _TRUNCATED, str(cache), block, map_bytes],
                          capture_output=True, text=True, timeout=120)
-    if map_bytes is None:  # mapped: a bus error, whose last words name the block file
+    if map_bytes != "0":  # mapped: a bus error, whose last words name the block file
         assert run.returncode == -signal.SIGBUS, run.stderr
         assert "Fatal Python error: Bus error" in run.stderr
         assert f'File "{block}", line' in run.stderr  # the frame reading it names the file

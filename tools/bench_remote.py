@@ -8,7 +8,8 @@ starts a moto S3 server in its own process on loopback, uploads the cache, then 
 count runs shuffled epochs of ``tc.TokenDataset(cache, 2048)`` through ``tc.DataLoader`` (batch
 16, ``tc.DistributedSampler(ds, seed=0)``) twice: from the local cache, and from S3 through
 ``tc.TokenCache(url, local_dir=..., cache_limit=fraction * cache size)`` with a fresh local
-directory. For each it prints samples/s (and the ratio remote / local), bytes downloaded per
+directory (the loader plans the remote cache's reads in its sampler's order when it starts
+iterating, see ``tc.TokenDataset.plan_reads``). For each it prints samples/s (and the ratio remote / local), bytes downloaded per
 epoch over the cache's size, the hit rate, and the largest size the local directory reached
 (sampled at every batch) against the limit.
 
@@ -31,7 +32,7 @@ import time
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 import torchcache as tc  # noqa: E402
-from torchcache.read.local_copies import tree_bytes  # noqa: E402
+from torchcache.read.local_copies import STATS_DIR, tree_bytes  # noqa: E402
 
 SHARED = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "shared", "data")
 SEQ, BATCH = 2048, 16
@@ -65,13 +66,14 @@ def start_s3() -> tuple[subprocess.Popen, dict]:
 
 
 def run_epoch(loader, step: float, watch: str | None) -> tuple[float, int, int]:
-    """(samples/s, samples, largest local dir size seen) of the loader's next epoch."""
+    """(samples/s, samples, largest size of the local copies seen) of the loader's next epoch
+    (``watch``: the copy directory; its reading sessions' counters are not copies)."""
     largest, n = 0, 0
     start = time.perf_counter()
     for batch in loader:
         n += len(batch["input_ids"])
         if watch is not None:
-            largest = max(largest, tree_bytes(watch))
+            largest = max(largest, tree_bytes(watch, skip=(STATS_DIR,)))
         if step:
             time.sleep(step)
     return n / (time.perf_counter() - start), n, largest
@@ -127,7 +129,7 @@ def main() -> None:
                 before = remote.stats()
                 for e in range(args.epochs):
                     local_rate, n_local, _ = run_epoch(local_loader, step_ms / 1e3, None)
-                    rate, n, largest = run_epoch(remote_loader, step_ms / 1e3, local_dir)
+                    rate, n, largest = run_epoch(remote_loader, step_ms / 1e3, remote.root)
                     assert n == n_local
                     after = remote.stats()
                     delta = {k: after[k] - before[k] for k in ("bytes_downloaded", "hits", "misses",

@@ -21,26 +21,25 @@ import sys
 import time
 from typing import Any, Sequence
 
-import fsspec
-
 import numpy as np
 from tqdm.auto import tqdm
 
 from . import __version__
 from ._util.args import POSITION_LIMIT, int_arg, optional_int_arg
 from .build.api import build_cache
-from .read.cache_files import locate_cache
 from .build.commit import acquire_lock
 from .build.convert import convert_webdataset
 from .build.engine import default_workers, progress_enabled
+from .build.repair import repair_cache
+from .build.verify import Problem, check_cache, verify_cache
 from .format.ledger import HEAD_NAME, upgrade
-from .read.pack_plan import PackPlan, PlanIdentity, default_plan_root, list_plans, plan_identity
+from .format.storage import is_remote, open_storage
+from .format.store_errors import ENDPOINT_EXAMPLE, store_message
 from .order.packing import LONG_DOCS
 from .read.cache import TokenCache
+from .read.cache_files import locate_cache
+from .read.pack_plan import PackPlan, PlanIdentity, default_plan_root, list_plans, plan_identity
 from .train.recipe import load_recipe, plan_recipe
-from .build.repair import repair_cache
-from .format.storage import BUCKET_SCHEMES, is_remote, missing_bucket, open_storage
-from .build.verify import Problem, check_cache, verify_cache
 
 
 def _build(args: argparse.Namespace) -> int:
@@ -459,7 +458,7 @@ def _storage_option(text: str) -> tuple[str, Any]:
     if not equals or not key.strip():
         raise argparse.ArgumentTypeError(
             f"{text!r}: give KEY=VALUE, e.g. --storage-option key=ACCESS_KEY or --storage-option "
-            f"client_kwargs='{_ENDPOINT_EXAMPLE}'")
+            f"client_kwargs='{ENDPOINT_EXAMPLE}'")
     try:
         return key.strip(), json.loads(value)
     except ValueError:
@@ -474,36 +473,6 @@ def _storage_options(pairs: list[tuple[str, Any]]) -> dict[str, Any] | None:
             raise ValueError(f"--storage-option {key} is given twice; give each KEY once")
         options[key] = value
     return options or None
-
-
-_ENDPOINT_EXAMPLE = '{"endpoint_url": "http://127.0.0.1:9000"}'
-# Error codes of object stores (S3's, as botocore reports them) that mean the credentials
-# were missing, wrong, expired or not allowed; and the one that means the bucket is missing.
-_CREDENTIAL_CODES = {"InvalidAccessKeyId", "SignatureDoesNotMatch", "AccessDenied", "ExpiredToken",
-                     "InvalidToken", "TokenRefreshRequired", "AllAccessDisabled", "InvalidSecurity",
-                     "AuthorizationHeaderMalformed", "401", "403", "Forbidden", "Unauthorized"}
-_NO_BUCKET_CODES = {"NoSuchBucket"}
-
-
-def _credentials_remedy(url: str) -> str:
-    scheme = url.partition("://")[0]
-    if scheme in ("s3", "s3a"):
-        return ("pass them with --storage-option key=ACCESS_KEY --storage-option secret=SECRET_KEY, "
-                "or set AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY (or AWS_PROFILE)")
-    if scheme in ("gs", "gcs"):
-        return ("pass them with --storage-option token=KEY_FILE.json, or set "
-                "GOOGLE_APPLICATION_CREDENTIALS")
-    if scheme in ("az", "abfs", "abfss"):
-        return ("pass them with --storage-option account_name=NAME --storage-option account_key=KEY, "
-                "or set AZURE_STORAGE_ACCOUNT_NAME and AZURE_STORAGE_ACCOUNT_KEY")
-    return "pass them with --storage-option KEY=VALUE (the options of the store's fsspec filesystem)"
-
-
-def _endpoint_option(url: str) -> str:
-    """How the endpoint of the URL's store is given, where it has one to give."""
-    if url.partition("://")[0] in ("s3", "s3a"):
-        return f"--storage-option client_kwargs='{_ENDPOINT_EXAMPLE}'"
-    return ""
 
 
 def _remote_urls(args: argparse.Namespace) -> list[str]:
@@ -526,116 +495,6 @@ def _recipe_sources(recipe: str) -> list[str]:
     return [p for p in paths if isinstance(p, str)]
 
 
-def _causes(error: BaseException) -> list[BaseException]:
-    """The error and the chain of errors that caused it (explicit or implicit), in order."""
-    chain: list[BaseException] = []
-    while error is not None and all(error is not seen for seen in chain):
-        chain.append(error)
-        error = error.__cause__ or error.__context__
-    return chain
-
-
-def _error_code(error: BaseException) -> str | None:
-    """The store's error code of a botocore ClientError (or of anything carrying its response)."""
-    response = getattr(error, "response", None)
-    if isinstance(response, dict) and isinstance(response.get("Error"), dict):
-        return str(response["Error"].get("Code"))
-    return None
-
-
-def _botocore_errors() -> tuple[tuple[type, ...], tuple[type, ...], tuple[type, ...]]:
-    """botocore's (no-credentials, connection, all) exception classes; empty where no store
-    client loaded botocore (then none of its errors can have been raised)."""
-    boto = sys.modules.get("botocore.exceptions")
-    if boto is None:
-        return (), (), ()
-    return ((boto.NoCredentialsError, boto.PartialCredentialsError, boto.CredentialRetrievalError),
-            (boto.EndpointConnectionError, boto.ConnectTimeoutError), (boto.BotoCoreError,))
-
-
-def _store_refusal(error: BaseException) -> tuple[str, BaseException] | None:
-    """What a remote store refused, from the error's chain: ("no credentials" | "credentials" |
-    "bucket" | "unreachable" | "not found", the cause); None for any other error."""
-    no_credentials, unreachable, _ = _botocore_errors()
-    chain = _causes(error)
-    for cause in chain:
-        code = _error_code(cause)
-        if code in _NO_BUCKET_CODES:
-            return "bucket", cause
-        if code in _CREDENTIAL_CODES:
-            return "credentials", cause
-        if isinstance(cause, no_credentials):
-            return "no credentials", cause
-        if isinstance(cause, unreachable):
-            return "unreachable", cause
-    for cause in chain:
-        if isinstance(cause, PermissionError) and cause.errno is None:  # not a local file's
-            return "credentials", cause
-        if isinstance(cause, FileNotFoundError):
-            return "not found", cause
-    return None
-
-
-def _missing_bucket(urls: list[str],
-                    storage_options: dict[str, Any] | None) -> tuple[str, str] | None:
-    """(url, bucket) for the first of `urls` whose bucket does not exist; None if all exist."""
-    _, _, store_errors = _botocore_errors()  # loaded with the store's client, if at all
-    for url in urls:
-        if url.partition("://")[0] not in BUCKET_SCHEMES:
-            continue
-        fs, _ = fsspec.core.url_to_fs(url, **(storage_options or {}))
-        try:
-            bucket = missing_bucket(fs, url)
-        except (OSError, *store_errors):  # the store would not say: the bucket may well exist
-            continue
-        if bucket is not None:
-            return url, bucket
-    return None
-
-
-def _named_url(error: BaseException, urls: list[str]) -> str | None:
-    """The URL the error is about: the first of `urls` the chain's messages mention, else the
-    first of them (None without a remote URL)."""
-    text = " ".join(str(cause) for cause in _causes(error))
-    for url in urls:
-        where = re.split(r"[*?\[{]", url.partition("://")[2])[0].rstrip("/")
-        if where and where in text:
-            return url
-    return urls[0] if urls else None
-
-
-def _store_message(error: BaseException, args: argparse.Namespace) -> str | None:
-    """A remote store's refusal as one line: the URL, what was refused and what to do; None
-    when the error is not such a refusal."""
-    refusal = _store_refusal(error)
-    urls = [] if refusal is None else _remote_urls(args)
-    if not urls:
-        return None
-    kind, cause = refusal
-    if kind in ("bucket", "not found"):
-        missing = _missing_bucket(urls, args.storage_options)
-        if missing is None:
-            return None  # the bucket is there: the error's own message says what is missing
-        url, bucket = missing
-        return _no_bucket_message(url, bucket, writing=url == getattr(args, "output", None))
-    url = _named_url(error, urls)
-    detail = _one_line(cause)
-    if kind == "unreachable":
-        endpoint = _endpoint_option(url)
-        return (f"{url}: cannot reach the store ({detail}); check the network and the endpoint"
-                + (f" ({endpoint})" if endpoint else ""))
-    what = ("no credentials for the store" if kind == "no credentials"
-            else "the store refused the credentials")
-    return f"{url}: {what} ({detail}); {_credentials_remedy(url)}"
-
-
-def _no_bucket_message(url: str, bucket: str, writing: bool) -> str:
-    endpoint = _endpoint_option(url)
-    return (f"{url}: bucket {bucket!r} does not exist; {'create it first, or ' if writing else ''}"
-            "check the URL" + (f" (and, for a store other than AWS, its endpoint: {endpoint})"
-                               if endpoint else ""))
-
-
 def _remote_arguments(local_dir: bool) -> argparse.ArgumentParser:
     """--storage-option, shared by every command that takes a cache or inputs, and --local-dir
     for those that read a cache's files."""
@@ -646,7 +505,7 @@ def _remote_arguments(local_dir: bool) -> argparse.ArgumentParser:
                        help="an option of the store's fsspec filesystem, repeatable: credentials, "
                             "endpoint... A VALUE that parses as JSON is taken as JSON, e.g. "
                             "--storage-option key=ACCESS_KEY --storage-option secret=SECRET_KEY "
-                            f"--storage-option client_kwargs='{_ENDPOINT_EXAMPLE}'")
+                            f"--storage-option client_kwargs='{ENDPOINT_EXAMPLE}'")
     if local_dir:
         group.add_argument("--local-dir", default=None, metavar="DIR",
                            help="where a remote cache's files are copied, in a folder named by its "
@@ -789,7 +648,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 0
     except Exception as e:
         # bad input, a bad cache, a full or read-only disk, a store's refusal: one line, no traceback
-        message = _store_message(e, args)
+        message = store_message(e, lambda: _remote_urls(args), args.storage_options,
+                                getattr(args, "output", None), _one_line)
         if message is None and not isinstance(e, _ONE_LINE_ERRORS):
             raise  # a bug: the traceback is what a report needs
         print(f"torchcache {args.command}: error: {message or _one_line(e)}", file=sys.stderr)

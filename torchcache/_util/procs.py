@@ -4,7 +4,8 @@ multiprocessing's "spawn" re-imports the parent's `__main__` in every child, so 
 without an `if __name__ == "__main__":` guard that starts a build would run again in each worker
 (and hang or recurse). A child here is a fresh interpreter running only this module; it talks to
 its parent over a socket wrapped in a multiprocessing Connection (pickled messages between our
-own processes; nothing on disk is ever pickled).
+own processes; nothing on disk is ever pickled). A child starts with its parent's test hooks
+(see `hooks`).
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ import sys
 from multiprocessing.connection import Connection
 from typing import Any
 
+from . import hooks
 _PR_SET_PDEATHSIG = 1
 _PACKAGE_PARENT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -77,7 +79,7 @@ def start_child(target: str, *args: Any, die_with_parent: bool = True) -> Child:
         theirs.close()
     conn = Connection(mine.detach())
     try:
-        conn.send((target, args))
+        conn.send((target, args, hooks.values()))
     except BaseException:
         process.kill()
         process.wait()
@@ -91,7 +93,8 @@ def _child_entry() -> None:
     if parent:
         _die_with_parent(parent)
     conn = Connection(fd)
-    target, args = conn.recv()
+    target, args, hook_values = conn.recv()
+    hooks.apply(hook_values)
     module, _, function = target.partition(":")
     getattr(importlib.import_module(module), function)(conn, *args)
 

@@ -12,7 +12,7 @@ from typing import Any
 
 import numpy as np
 
-from .._util.args import int_arg
+from .._util.args import bool_arg, choice_arg, int_arg, optional_int_arg
 from .engine import BuildResult, progress_enabled, run_build
 from .handle import BuildHandle
 from ..format.tokenizer import TokenizerLike
@@ -51,50 +51,55 @@ def build_cache(inputs: Any, output: str | os.PathLike, tokenizer: TokenizerLike
         vocab_size: for pre-tokenized inputs only (sets the dtype, checks the ids).
         allow_empty: accept a build whose inputs hold no document (else BuildError).
 
-    Example:
-        >>> result = tc.build_cache("data/*.jsonl", "caches/web", "tokenizer.json")
-        >>> result.num_tokens, result.skipped
-        >>> handle = tc.build_cache("data/*.jsonl", "caches/web", "tokenizer.json", background=True)
-        >>> handle.wait()
+    Example (usually `tokenizer` is a tokenizer.json path and `inputs` a glob like
+    "data/*.jsonl"):
+
+        >>> import os, tempfile, tokenizers
+        >>> tokenizer = tokenizers.Tokenizer(tokenizers.models.WordLevel(  # a toy: one word, one id
+        ...     {"<unk>": 0, "<|endoftext|>": 1, "hello": 2, "world": 3}, "<unk>"))
+        >>> tmp = tempfile.TemporaryDirectory()
+        >>> out = os.path.join(tmp.name, "cache")
+        >>> result = tc.build_cache(iter(["hello", "world", "hello"]), out, tokenizer, progress=False)
+        >>> result.num_tokens, result.num_documents, result.skipped   # EOS ends each document
+        (6, 3, {})
+        >>> tc.build_cache(iter(["hello", "world", "hello"]), out, tokenizer,
+        ...                progress=False).already_complete   # the same build again: a no-op
+        True
+        >>> handle = tc.build_cache(iter(["world"]), os.path.join(tmp.name, "more"), tokenizer,
+        ...                         background=True, progress=False)
+        >>> handle.wait().num_tokens
+        2
+        >>> tmp.cleanup()
     """
-    _check_build_arguments(text_key=text_key, block_tokens=block_tokens, num_workers=num_workers,
-                           on_error=on_error, background=background, executor=executor, eos=eos,
-                           bos=bos, special_tokens_as_text=special_tokens_as_text,
-                           progress=progress, storage_options=storage_options,
-                           vocab_size=vocab_size, allow_empty=allow_empty)
-    kwargs = dict(text_key=text_key, block_tokens=block_tokens, num_workers=num_workers,
-                  on_error=on_error, eos=eos, bos=bos, special_tokens_as_text=special_tokens_as_text,
-                  storage_options=storage_options, vocab_size=vocab_size, executor=executor,
-                  allow_empty=allow_empty)
-    if background:
+    kwargs = _checked_arguments(text_key=text_key, block_tokens=block_tokens, num_workers=num_workers,
+                                on_error=on_error, executor=executor, eos=eos, bos=bos,
+                                special_tokens_as_text=special_tokens_as_text,
+                                storage_options=storage_options, vocab_size=vocab_size,
+                                allow_empty=allow_empty)
+    progress = None if progress is None else bool_arg(progress, "progress")
+    if bool_arg(background, "background"):
         return BuildHandle.start(inputs, output, tokenizer, kwargs)
     return run_build(inputs, output, tokenizer, progress=progress_enabled(progress), **kwargs)
 
 
-def _check_build_arguments(*, text_key, block_tokens, num_workers, on_error, background, executor,
-                           eos, bos, special_tokens_as_text, progress, storage_options, vocab_size,
-                           allow_empty) -> None:
-    """Every argument's type and value, before anything is read or written."""
+def _checked_arguments(*, text_key, block_tokens, num_workers, on_error, executor, eos, bos,
+                       special_tokens_as_text, storage_options, vocab_size,
+                       allow_empty) -> dict[str, Any]:
+    """The build's arguments, each checked (type and value) before anything is read or written,
+    as plain Python values (a numpy integer or bool becomes an int or a bool: they go into JSON)."""
     if not isinstance(text_key, str) or not text_key:
         raise TypeError(f"text_key must be a non-empty string naming the text field, not {text_key!r}")
-    int_arg(block_tokens, "block_tokens", minimum=1)
-    if num_workers is not None:
-        int_arg(num_workers, "num_workers", minimum=0)
-    if vocab_size is not None:
-        int_arg(vocab_size, "vocab_size", minimum=1, maximum=2 ** 32)
-    if on_error not in ("raise", "skip"):
-        raise ValueError(f"on_error must be 'raise' or 'skip', not {on_error!r}")
-    if executor not in ("local", "ray"):
-        raise ValueError(f"executor must be 'local' or 'ray', not {executor!r}")
     for name, token in (("eos", eos), ("bos", bos)):
         if token is not None and (isinstance(token, bool) or not isinstance(token, (int, np.integer, str))):
             raise TypeError(f"{name} must be a token id (int), a token string, 'auto' or None, "
                             f"not {token!r}")
-    for name, flag in (("background", background), ("special_tokens_as_text", special_tokens_as_text),
-                       ("allow_empty", allow_empty)):
-        if not isinstance(flag, bool):
-            raise TypeError(f"{name} must be True or False, not {flag!r}")
-    if progress is not None and not isinstance(progress, bool):
-        raise TypeError(f"progress must be True, False or None, not {progress!r}")
     if storage_options is not None and not isinstance(storage_options, dict):
         raise TypeError(f"storage_options must be a dict of fsspec options, not {storage_options!r}")
+    return dict(text_key=text_key, block_tokens=int_arg(block_tokens, "block_tokens", minimum=1),
+                num_workers=optional_int_arg(num_workers, "num_workers", minimum=0),
+                on_error=choice_arg(on_error, "on_error", ("raise", "skip")),
+                executor=choice_arg(executor, "executor", ("local", "ray")), eos=eos, bos=bos,
+                special_tokens_as_text=bool_arg(special_tokens_as_text, "special_tokens_as_text"),
+                storage_options=storage_options,
+                vocab_size=optional_int_arg(vocab_size, "vocab_size", minimum=1, maximum=2 ** 32),
+                allow_empty=bool_arg(allow_empty, "allow_empty"))

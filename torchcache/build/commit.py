@@ -15,15 +15,12 @@ import re
 import signal
 from typing import Any, Callable, Iterable
 
+from .._util import hooks
+from ..errors import BuildError
 from ..format import blocks as fmt
 from ..format import ledger
-from ..errors import BuildError
 from ..format.storage import TMP_MARK, LocalStorage, Lock, Storage
 from .worker import BlockWritten, Event, InputDone, Progress, WorkerFailed, raise_failure
-
-# Crash tests set this to kill the builder (SIGKILL, as a crash would) right after its N-th
-# manifest write, so a test interrupts a build at a commit instead of racing it with a timer.
-_KILL_AFTER_COMMITS = int(os.environ.get("TORCHCACHE_TEST_KILL_AFTER_COMMITS", "0"))
 
 # Names the builder creates: only these are ever deleted, and only when the manifest does not
 # know them (left by a crash). Anything else in the output belongs to the user.
@@ -31,33 +28,6 @@ _OWN_BLOCK_FILE = re.compile(r"\d{6}-\d{6}(\.offsets\.safetensors|\.keys\.json|\
                              rf"({re.escape(TMP_MARK)}\d+)?")
 _OWN_TOP_TMP = re.compile(rf"(manifest|tokenizer|head)\.json{re.escape(TMP_MARK)}\d+")
 _OWN_CHUNK = re.compile(r"\d{6}\.(bin|jsonl)")
-
-
-class _StreamCursor:
-    """Where the round-robin stream (`format.stream_order`) stands, advanced as blocks finish:
-    O(new blocks + inputs that drop out) per call, not O(all blocks)."""
-
-    def __init__(self, n_inputs: int):
-        self.active, self.next_active = list(range(n_inputs)), []
-        self.pos = self.round = 0
-        self.complete = False
-
-    def advance(self, count: Callable[[int], int], done: Callable[[int], bool]) -> list[tuple[int, int]]:
-        """The (input, block) pairs that join the stream now."""
-        joined: list[tuple[int, int]] = []
-        while self.active:
-            while self.pos < len(self.active):
-                i = self.active[self.pos]
-                if self.round < count(i):
-                    joined.append((i, self.round))
-                    self.next_active.append(i)
-                elif not done(i):
-                    return joined  # the stream waits for input i's next block
-                self.pos += 1
-            self.active, self.next_active = self.next_active, []
-            self.pos, self.round = 0, self.round + 1
-        self.complete = True
-        return joined
 
 
 # an input's final progress in a complete cache's head: the ledger's fields, and the stamp of
@@ -90,7 +60,7 @@ class ManifestState:
                         self.progress[i][key] = p[key]
             for blocks in self.finished:
                 blocks.sort(key=lambda e: e["index"])
-        self._cursor = _StreamCursor(n)
+        self._cursor = fmt.StreamCursor(n)
         visible = self._join_stream()
         self.num_blocks = len(visible)
         self.num_tokens = sum(e["num_tokens"] for e in visible)
@@ -99,7 +69,7 @@ class ManifestState:
             storage, self.fingerprint)
         self.records = head["records"]
         self._unsaved: list[dict[str, Any]] = []  # commit log records since the last save
-        chunk = existing["chunk_records"] if existing else ledger.CHUNK_RECORDS
+        chunk = existing["chunk_records"] if existing else ledger.new_chunk_records()
         self._writer = ledger.LedgerWriter(storage, head, chunk)
 
     def _set_progress(self, index: int, progress: dict) -> None:
@@ -164,7 +134,7 @@ class ManifestState:
             self._writer.commit(self._unsaved, visible, head)
         self._unsaved = []
         self.saves += 1
-        if self.saves == _KILL_AFTER_COMMITS:  # fault injection for crash tests: kill -9 right here
+        if self.saves == hooks.kill_after_commits:  # a crash test's kill -9, right here
             os.kill(os.getpid(), signal.SIGKILL)
         return summary
 

@@ -17,7 +17,11 @@ from .api import build_cache
 
 def expand_urls(urls: Any) -> list[str]:
     """Brace-expand webdataset URL patterns (`shard-{000000..000099}.tar`), in order; `::`
-    separates several patterns, as in webdataset."""
+    separates several patterns, as in webdataset.
+
+    >>> expand_urls("shard-{000..002}.tar::extra.tar")
+    ['shard-000.tar', 'shard-001.tar', 'shard-002.tar', 'extra.tar']
+    """
     if isinstance(urls, (str, os.PathLike)):
         urls = [urls]
     out: list[str] = []
@@ -44,11 +48,28 @@ def convert_webdataset(urls: Any, output: str | os.PathLike, *, tokenizer: Any =
     sample key (`__key__`) is kept: `TokenCache.document_key(i)`. Other options go to
     `build_cache` (num_workers, on_error, block_tokens, background, progress...).
 
-    Example:
-        >>> tc.convert_webdataset("shards/train-{000000..000099}.tar", "caches/wds",
-        ...                       tokenizer="tokenizer.json", text_key="json:text")
-        >>> tc.convert_webdataset("pipe:curl -s https://host/tok-{000..009}.tar", "caches/ids",
-        ...                       vocab_size=50257, eos_id=50256)   # token ids in .npy members
+    Typical calls: ``tc.convert_webdataset("shards/train-{000000..000099}.tar", "caches/wds",
+    tokenizer="tokenizer.json", text_key="json:text")``, or, for token ids in .npy members,
+    ``tc.convert_webdataset("pipe:curl -s https://host/tok-{000..009}.tar", "caches/ids",
+    vocab_size=50257, eos_id=50256)``.
+
+    Example (a shard of two text samples):
+
+        >>> import io, os, tarfile, tempfile, tokenizers
+        >>> tokenizer = tokenizers.Tokenizer(tokenizers.models.WordLevel(  # a toy: one word, one id
+        ...     {"<unk>": 0, "<|endoftext|>": 1, "hello": 2, "world": 3}, "<unk>"))
+        >>> tmp = tempfile.TemporaryDirectory()
+        >>> with tarfile.open(os.path.join(tmp.name, "shard-000000.tar"), "w") as tar:
+        ...     for key, text in [("doc-a", b"hello"), ("doc-b", b"world")]:
+        ...         member = tarfile.TarInfo(f"{key}.txt")
+        ...         member.size = len(text)
+        ...         tar.addfile(member, io.BytesIO(text))
+        >>> out = os.path.join(tmp.name, "cache")
+        >>> result = tc.convert_webdataset(os.path.join(tmp.name, "shard-{000000..000000}.tar"), out,
+        ...                                tokenizer=tokenizer, num_workers=1, progress=False)
+        >>> result.num_documents, tc.TokenCache(out).document_key(1)
+        (2, 'doc-b')
+        >>> tmp.cleanup()
     """
     sources = expand_urls(urls)
     if tokenizer is not None:

@@ -26,19 +26,15 @@ from ..format.ledger import record_stamps, write_header
 from .ray_executor import run_ray
 from .records import ITERABLE_PATH, InputSource
 from ..format.storage import LocalStorage, Storage, open_storage
-from ..format.tokenizer import TokenizerLike, canonical_json, load_tokenizer, tokenizer_fingerprint
+from ..format.tokenizer import TokenizerLike, canonical_json, fingerprint_of_json, load_tokenizer
 from .tokenizing import special_token_id
 from .worker import BlockWritten, BuildJob, build_input
 
 
 @dataclass
 class BuildResult:
-    """Summary of a finished (or already complete) build.
-
-    Example:
-        >>> result = tc.build_cache("data/*.jsonl", "caches/web", "tokenizer.json")
-        >>> result.num_tokens, result.num_blocks, result.skipped, result.tokens_per_second
-    """
+    """Summary of a finished (or already complete) build: what `build_cache` returns (its
+    docstring has an example)."""
 
     path: str
     num_tokens: int
@@ -103,7 +99,8 @@ def run_build(inputs: Any, output: str | os.PathLike, tokenizer: TokenizerLike |
         tok = load_tokenizer(tokenizer)
         vocab_size = tok.get_vocab_size(with_added_tokens=True)
         dtype = fmt.token_dtype(vocab_size)
-        tokenizer_spec = {"fingerprint": tokenizer_fingerprint(tok)}
+        tokenizer_json = canonical_json(tok)  # (made once: a large tokenizer takes ~0.2 s)
+        tokenizer_spec = {"fingerprint": fingerprint_of_json(tokenizer_json)}
         bos_id, eos_id = special_token_id(tok, bos, "bos"), special_token_id(tok, eos, "eos")
     spec = {
         "tokenizer": tokenizer_spec,
@@ -118,9 +115,8 @@ def run_build(inputs: Any, output: str | os.PathLike, tokenizer: TokenizerLike |
     }
     _check_output_path(storage)
     storage.makedirs()
-    job = BuildJob(storage, None if tok is None else canonical_json(tok), bos_id, eos_id,
-                   str(dtype), text_key, block_tokens, on_error, special_tokens_as_text,
-                   dict(storage_options or {}), vocab_size)
+    job = BuildJob.for_spec(storage, spec, None if tok is None else tokenizer_json, on_error,
+                            storage_options)
     lock = acquire_lock(storage)
     try:
         existing = open_existing(storage, spec)

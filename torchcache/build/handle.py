@@ -20,11 +20,22 @@ class BuildHandle:
     File inputs are built in a separate process (killing it never harms committed data); an
     iterable of strings cannot be sent to another process, so it is built in a thread.
 
-    Example:
-        >>> handle = tc.build_cache("data/*.jsonl", "caches/web", "tokenizer.json", background=True)
-        >>> ds = tc.TokenDataset("caches/web", seq_len=2048)  # reads the committed prefix, grows
-        >>> handle.progress["committed_tokens"], handle.done
+    Example (training can open the cache as soon as a block is committed:
+    `tc.TokenDataset(out, seq_len=2048)` reads the committed prefix, and grows):
+
+        >>> import os, tempfile, tokenizers
+        >>> tokenizer = tokenizers.Tokenizer(tokenizers.models.WordLevel(  # a toy: one word, one id
+        ...     {"<unk>": 0, "<|endoftext|>": 1, "hello": 2, "world": 3}, "<unk>"))
+        >>> tmp = tempfile.TemporaryDirectory()
+        >>> data = os.path.join(tmp.name, "doc.txt")   # a text file is one document
+        >>> with open(data, "w") as f:
+        ...     _ = f.write("hello")
+        >>> handle = tc.build_cache(data, os.path.join(tmp.name, "cache"), tokenizer,
+        ...                         background=True)   # built in another process
         >>> result = handle.wait()   # the BuildResult; re-raises the build's error
+        >>> handle.done, result.num_tokens, handle.progress["committed_tokens"]
+        (True, 2, 2)
+        >>> tmp.cleanup()
     """
 
     def __init__(self) -> None:

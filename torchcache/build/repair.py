@@ -34,12 +34,8 @@ _FILES = (("path", "checksum"), ("offsets", "offsets_checksum"), ("keys", "keys_
 
 @dataclass
 class RepairResult:
-    """What a repair did: the block files it rewrote, and the problems it found first.
-
-    Example:
-        >>> result = tc.repair_cache("caches/web")
-        >>> result.repaired, result.problems   # ([], []) for a healthy cache
-    """
+    """What a repair did: the block files it rewrote (and head.json, if it restored it), and
+    the problems it found first; both empty for a healthy cache (see `repair_cache`)."""
 
     path: str
     repaired: list[str]
@@ -59,9 +55,25 @@ def repair_cache(path: str | os.PathLike, *, storage_options: dict[str, Any] | N
     not a damaged block (a manifest in the wrong order, a corrupted manifest, another
     tokenizer.json) cannot be repaired this way and raise BuildError.
 
-    Example:
-        >>> result = tc.repair_cache("caches/web")
-        >>> result.repaired   # e.g. ['blocks/000002-000005.safetensors']
+    Example (a cache of a JSON-lines file, then one of its block files lost):
+
+        >>> import json, os, tempfile, tokenizers
+        >>> tokenizer = tokenizers.Tokenizer(tokenizers.models.WordLevel(  # a toy: one word, one id
+        ...     {"<unk>": 0, "<|endoftext|>": 1, "hello": 2, "world": 3}, "<unk>"))
+        >>> tmp = tempfile.TemporaryDirectory()
+        >>> data, out = os.path.join(tmp.name, "docs.jsonl"), os.path.join(tmp.name, "cache")
+        >>> with open(data, "w") as f:
+        ...     _ = f.writelines(json.dumps({"text": word}) + "\\n" for word in ["hello", "world"])
+        >>> _ = tc.build_cache(data, out, tokenizer, num_workers=1, progress=False)
+        >>> tc.repair_cache(out).repaired   # a healthy cache: nothing to do
+        []
+        >>> block = os.path.join(out, "blocks", "000000-000000.safetensors")
+        >>> os.remove(block)
+        >>> tc.repair_cache(out).repaired   # rebuilt from docs.jsonl, checked byte for byte
+        ['blocks/000000-000000.safetensors']
+        >>> tc.verify_cache(out)
+        []
+        >>> tmp.cleanup()
     """
     storage = open_storage(path, storage_options)
     lock = acquire_lock(storage)  # no builder may write while blocks are replaced
@@ -172,10 +184,7 @@ def _job_for(storage: Storage, manifest: dict[str, Any],
         tokenizer_json = canonical_json(tok)
     # "skip" reproduces every block a build committed whatever its on_error was: blocks end
     # before the first bad record a raising build stopped at
-    dtype = {"U16": "uint16", "U32": "uint32"}[spec["dtype"]]
-    return BuildJob(storage, tokenizer_json, spec["bos_id"], spec["eos_id"], dtype, spec["text_key"],
-                spec["block_tokens"], "skip", spec["special_tokens_as_text"],
-                dict(storage_options or {}), spec["vocab_size"])
+    return BuildJob.for_spec(storage, spec, tokenizer_json, "skip", storage_options)
 
 
 def _input_source(spec_input: dict[str, Any], storage_options: dict[str, Any] | None) -> InputSource:

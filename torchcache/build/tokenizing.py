@@ -9,6 +9,8 @@ from typing import Sequence
 import numpy as np
 from tokenizers import Tokenizer
 
+from ..format.tokenizer import tokenizer_from_json
+
 _EOS_CANDIDATES = ("<|endoftext|>", "</s>", "<eos>", "<|end_of_text|>", "<|eot_id|>", "[SEP]")
 # A blank line followed by a non-space: GPT-2's byte-level pre-tokenizer always cuts between the
 # two newlines there, so encoding the halves separately yields exactly the same ids.
@@ -90,9 +92,7 @@ class DocumentEncoder:
     def __init__(self, tokenizer_json: str, *, bos_id: int | None, eos_id: int | None,
                  dtype: np.dtype, special_tokens_as_text: bool = True, cut: bool | None = None,
                  piece_chars: int = _PIECE_CHARS):
-        self.tok = Tokenizer.from_str(tokenizer_json)
-        self.tok.no_truncation()
-        self.tok.no_padding()
+        self.tok = tokenizer_from_json(tokenizer_json)
         self.tok.encode_special_tokens = special_tokens_as_text
         self.bos_id, self.eos_id, self.dtype = bos_id, eos_id, np.dtype(dtype)
         self.cut = can_cut_safely(self.tok) if cut is None else cut

@@ -15,7 +15,7 @@ import numpy as np
 
 from ..format import blocks as fmt
 from ..read.cache_files import (CacheFiles, check_block_file, load_keys, load_offsets, locate_cache,
-                          max_file_sizes)
+                                offsets_max_size)
 from ..errors import CacheFormatError
 from ..format.ledger import HEAD_NAME, INDEX_DIR, BlockTable, lost_head, read_manifest, stored_index
 from ..format.tokenizer import check_cache_tokenizer
@@ -29,10 +29,8 @@ class Problem:
 
     `entry` is the index of the damaged block entry in ``manifest["blocks"] +
     manifest.get("pending", [])`` (None for a cache-wide problem: the manifest itself, the stream
-    order); `file` is the damaged file's path relative to the cache directory.
-
-    >>> for problem in tc.check_cache("runs/quickstart/cache"):  # doctest: +SKIP
-    ...     print(problem.file, problem.message)
+    order); `file` is the damaged file's path relative to the cache directory (see the example
+    of :func:`check_cache`).
     """
 
     message: str
@@ -48,8 +46,24 @@ def check_cache(path: str | os.PathLike, storage_options: dict[str, Any] | None 
     For a remote cache, files are checked as they are copied locally (a bad one is reported).
     A directory without a manifest raises FileNotFoundError (it is not a cache).
 
-    >>> problems = tc.check_cache("runs/quickstart/cache")  # doctest: +SKIP
-    >>> damaged = {p.file for p in problems if p.entry is not None}  # doctest: +SKIP
+    Example (a cache, then one of its block files damaged):
+
+    >>> import os, tempfile, tokenizers
+    >>> tokenizer = tokenizers.Tokenizer(tokenizers.models.WordLevel(  # a toy: one word, one id
+    ...     {"<unk>": 0, "<|endoftext|>": 1, "hello": 2, "world": 3}, "<unk>"))
+    >>> tmp = tempfile.TemporaryDirectory()
+    >>> out = os.path.join(tmp.name, "cache")
+    >>> _ = tc.build_cache(iter(["hello", "world"]), out, tokenizer, progress=False)
+    >>> tc.check_cache(out)
+    []
+    >>> block = os.path.join(out, "blocks", "000000-000000.safetensors")
+    >>> with open(block, "r+b") as f:
+    ...     _ = f.seek(-1, os.SEEK_END); _ = f.write(b"\\xff")
+    >>> [(p.entry, p.file) for p in tc.check_cache(out)]
+    [(0, 'blocks/000000-000000.safetensors')]
+    >>> tc.verify_cache(out)   # the same, as messages
+    ['.../blocks/000000-000000.safetensors: checksum mismatch (the file is corrupted); repair it with `torchcache verify --repair`']
+    >>> tmp.cleanup()
     """
     url = os.fspath(path)
     try:
@@ -65,12 +79,8 @@ def check_cache(path: str | os.PathLike, storage_options: dict[str, Any] | None 
     if order is not None:
         problems.append(Problem(f"{source.url}/{fmt.MANIFEST_NAME}: {order}; the manifest was edited "
                                 "or corrupted (restore it or rebuild the cache)", None, fmt.MANIFEST_NAME))
-    entries = manifest["blocks"] + manifest.get("pending", [])
-    problems.extend(_check_tokenizer(source, manifest["spec"], bool(entries)))
-    dtype = fmt.DTYPES[manifest["spec"]["dtype"]]
-    for k, entry in enumerate(entries):
-        problems.extend(_check_entry(source, k, entry, dtype))
-    return problems
+    table = BlockTable.from_entries(manifest["blocks"] + manifest.get("pending", []))
+    return problems + _check_files(source, manifest["spec"], table)
 
 
 def _check_without_head(source: CacheFiles, lost: str) -> list[Problem]:
@@ -80,11 +90,15 @@ def _check_without_head(source: CacheFiles, lost: str) -> list[Problem]:
         manifest, records = stored_index(source.metadata)
     except CacheFormatError as e:
         return problems + [Problem(str(e), None, INDEX_DIR)]
-    table = BlockTable(records)
-    problems.extend(_check_tokenizer(source, manifest["spec"], len(table) > 0))
-    dtype = fmt.DTYPES[manifest["spec"]["dtype"]]
+    return problems + _check_files(source, manifest["spec"], BlockTable(records))
+
+
+def _check_files(source: CacheFiles, spec: dict[str, Any], table: BlockTable) -> list[Problem]:
+    """The problems of the tokenizer and of every block of `table` (Problem.entry: its row)."""
+    problems = _check_tokenizer(source, spec, len(table) > 0)
+    dtype = fmt.DTYPES[spec["dtype"]]
     for b in range(len(table)):
-        problems.extend(_check_entry(source, b, table.entry(b), dtype))
+        problems.extend(_check_block(source, table, b, dtype))
     return problems
 
 
@@ -108,28 +122,31 @@ def _check_tokenizer(source: CacheFiles, spec: dict[str, Any], committed: bool) 
     return []
 
 
-def _check_entry(source: CacheFiles, k: int, entry: dict[str, Any], dtype: np.dtype) -> list[Problem]:
-    """Problems of one block entry's files: checksums first, then (if intact) their contents."""
-    files = [(entry["path"], entry["checksum"]), (entry["offsets"], entry["offsets_checksum"])]
-    if "keys" in entry:
-        files.append((entry["keys"], entry["keys_checksum"]))
+def _check_block(source: CacheFiles, table: BlockTable, b: int, dtype: np.dtype) -> list[Problem]:
+    """Problems of block b's files: checksums first, then (if intact) their contents."""
+    record = table.records[b]
+    tokens, documents, size = int(record["num_tokens"]), int(record["num_documents"]), int(record["size"])
+    files = [(table.path(b), table.checksum(b), size),
+             (table.offsets_path(b), table.checksum(b, "offsets_checksum"), offsets_max_size(documents))]
+    if table.has_keys(b):
+        files.append((table.keys_path(b), table.checksum(b, "keys_checksum"), fmt.MAX_KEYS_BYTES))
     problems, opened = [], []
     try:
-        for (rel, checksum), max_size in zip(files, max_file_sizes(entry)):
+        for rel, checksum, max_size in files:
             try:
                 opened.append(source.open(rel, checksum, verify=True, max_size=max_size))
             except CacheFormatError as e:
-                problems.append(Problem(str(e), k, rel))
+                problems.append(Problem(str(e), b, rel))
         if problems:
             return problems
-        checks = [lambda fd, path: check_block_file(fd, path, dtype, entry["num_tokens"], entry["size"]),
-                  lambda fd, path: load_offsets(fd, path, entry["num_documents"], entry["num_tokens"]),
-                  lambda fd, path: load_keys(fd, path, entry["num_documents"])]
-        for (rel, _), (path, fd), check in zip(files, opened, checks):
+        checks = [lambda fd, path: check_block_file(fd, path, dtype, tokens, size),
+                  lambda fd, path: load_offsets(fd, path, documents, tokens),
+                  lambda fd, path: load_keys(fd, path, documents)]
+        for (rel, _, _), (path, fd), check in zip(files, opened, checks):
             try:
                 check(fd, path)
             except CacheFormatError as e:
-                problems.append(Problem(str(e), k, rel))
+                problems.append(Problem(str(e), b, rel))
         return problems
     finally:
         for _, fd in opened:
@@ -140,9 +157,7 @@ def verify_cache(path: str | os.PathLike, storage_options: dict[str, Any] | None
                  local_dir: str | None = None) -> list[str]:
     """Recompute every checksum and header check; return one message per problem (empty = ok).
 
-    Each message names the file; :func:`check_cache` gives the same as structured Problems.
-
-    >>> tc.verify_cache("runs/quickstart/cache")  # doctest: +SKIP
-    []
+    Each message names the file; :func:`check_cache` gives the same as structured Problems (its
+    docstring has an example).
     """
     return [p.message for p in check_cache(path, storage_options, local_dir)]

@@ -41,6 +41,15 @@ class BuildJob:
     storage_options: dict = field(default_factory=dict)
     vocab_size: int | None = None
 
+    @classmethod
+    def for_spec(cls, output: Storage, spec: dict[str, Any], tokenizer_json: str | None,
+                 on_error: str, storage_options: dict[str, Any] | None) -> "BuildJob":
+        """The job that makes the blocks of the cache `spec` describes (a new build's spec, or
+        the one a cache's manifest records, for repair), with the tokenizer `tokenizer_json`."""
+        return cls(output, tokenizer_json, spec["bos_id"], spec["eos_id"],
+                   str(fmt.DTYPES[spec["dtype"]]), spec["text_key"], spec["block_tokens"], on_error,
+                   spec["special_tokens_as_text"], dict(storage_options or {}), spec["vocab_size"])
+
 
 # ---------------------------------------------------------------- events a worker reports
 

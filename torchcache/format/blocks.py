@@ -22,13 +22,13 @@ import re
 import reprlib
 import struct
 from dataclasses import dataclass
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import numpy as np
 
 from ..errors import CacheFormatError
 from .storage import BLOCK_DIR, MANIFEST as MANIFEST_NAME
-from .storage import TMP_MARK, LocalStorage, Storage, open_regular, read_capped, read_regular
+from .storage import TMP_MARK, LocalStorage, RemoteStorage, Storage, open_regular, read_regular
 
 FORMAT_NAME = "torchcache"
 FORMAT_VERSION = 2  # the layout new builds write (v2: see ledger.py); v1 caches stay readable
@@ -86,28 +86,55 @@ def keys_name(block_path: str) -> str:
     return block_path[: -len(".safetensors")] + ".keys.json"
 
 
-def stream_order(blocks_per_input: Sequence[int], done: Sequence[bool]) -> tuple[list[tuple[int, int]], bool]:
-    """The committed stream as (input, block) pairs, and whether it is the whole (final) stream.
+class StreamCursor:
+    """Where the committed stream stands, advanced as blocks finish: the one implementation of
+    the stream order, for the builder (blocks join as they finish) and for readers and checks
+    (:func:`stream_order`, all at once).
 
     Round robin over the inputs, block by block: input 0 block 0, input 1 block 0, ..., input 0
     block 1, ... An input that is done and has no more blocks drops out of the rotation; the
     stream stops (incomplete) at the first input that is not done and has no next block yet.
     A pure function of the inputs' finished-block counts and done flags, so the builder and the
-    reader agree on it; O(total blocks + inputs).
+    reader agree on it. Each `advance` costs O(blocks that join + inputs that drop out).
     """
-    order: list[tuple[int, int]] = []
-    active = list(range(len(blocks_per_input)))
-    r = 0
-    while active:
-        still = []
-        for i in active:
-            if r < blocks_per_input[i]:
-                order.append((i, r))
-                still.append(i)
-            elif not done[i]:
-                return order, False
-        active, r = still, r + 1
-    return order, True
+
+    def __init__(self, n_inputs: int):
+        self.active: list[int] = list(range(n_inputs))
+        self.next_active: list[int] = []
+        self.pos = self.round = 0
+        self.complete = False
+
+    def advance(self, count: Callable[[int], int], done: Callable[[int], bool]) -> list[tuple[int, int]]:
+        """The (input, block) pairs that join the stream now, given each input's finished-block
+        `count` and whether it is `done`."""
+        joined: list[tuple[int, int]] = []
+        while self.active:
+            while self.pos < len(self.active):
+                i = self.active[self.pos]
+                if self.round < count(i):
+                    joined.append((i, self.round))
+                    self.next_active.append(i)
+                elif not done(i):
+                    return joined  # the stream waits for input i's next block
+                self.pos += 1
+            self.active, self.next_active = self.next_active, []
+            self.pos, self.round = 0, self.round + 1
+        self.complete = True
+        return joined
+
+
+def stream_order(blocks_per_input: Sequence[int], done: Sequence[bool]) -> tuple[list[tuple[int, int]], bool]:
+    """The committed stream as (input, block) pairs, and whether it is the whole (final) stream
+    (see :class:`StreamCursor`); O(total blocks + inputs).
+
+    >>> stream_order([2, 1], [True, False])   # input 1 may still make a block 1
+    ([(0, 0), (1, 0), (0, 1)], False)
+    >>> stream_order([2, 1], [True, True])
+    ([(0, 0), (1, 0), (0, 1)], True)
+    """
+    cursor = StreamCursor(len(blocks_per_input))
+    order = cursor.advance(blocks_per_input.__getitem__, done.__getitem__)
+    return order, cursor.complete
 
 
 def safetensors_bytes(name: str, array: np.ndarray, metadata: dict[str, str]) -> tuple[bytes, int]:
@@ -155,16 +182,27 @@ class TensorHeader:
     data_start: int
 
 
-def read_exact(fd: int, offset: int, size: int, path: str) -> bytes:
+def read_into(fd: int, dest: memoryview, offset: int, path: str,
+              fix: str = "run `torchcache verify`", what: str = "file") -> None:
+    """Fill `dest` with the bytes of open file `fd` from `offset`: the one exact read of the
+    package. Errors name `path`; a file that ends too soon is a CacheFormatError ("unexpected end
+    of `what`") ending with `fix`, what the user should do."""
+    got = 0
+    while got < len(dest):
+        try:
+            n = os.preadv(fd, [dest[got:] if got else dest], offset + got)
+        except OSError as e:
+            raise OSError(e.errno, f"{path}: {e.strerror}") from e
+        if n == 0:
+            raise CacheFormatError(f"{path}: unexpected end of {what} (truncated?); {fix}")
+        got += n
+
+
+def read_exact(fd: int, offset: int, size: int, path: str) -> bytearray:
     """Exactly `size` bytes at `offset` (the caller has checked `size` against the file size)."""
-    parts, got = [], 0
-    while got < size:
-        part = os.pread(fd, size - got, offset + got)
-        if not part:
-            raise CacheFormatError(f"{path}: unexpected end of file (truncated?); run `torchcache verify`")
-        parts.append(part)
-        got += len(part)
-    return parts[0] if len(parts) == 1 else b"".join(parts)
+    data = bytearray(size)
+    read_into(fd, memoryview(data), offset, path)
+    return data
 
 
 def read_tensor_header(fd: int, path: str, name: str, file_size: int) -> TensorHeader:
@@ -224,7 +262,9 @@ def _tensor_entry(header: Any, name: str, path: str) -> tuple[np.dtype, int, int
 def read_tensor_data(fd: int, path: str, header: TensorHeader) -> np.ndarray:
     """The tensor of a checked header (its size already matches the file's)."""
     data = read_exact(fd, header.data_start, header.length * header.dtype.itemsize, path)
-    return np.frombuffer(data, dtype=header.dtype)
+    array = np.frombuffer(data, dtype=header.dtype)
+    array.flags.writeable = False  # as a cache's arrays are: shared, never changed in place
+    return array
 
 
 def read_tensor_file(path: str, name: str, max_length: int = MAX_BLOCK_DOCUMENTS + 1) -> np.ndarray:
@@ -380,18 +420,18 @@ def decode_json(data: bytes, path: str, what: str) -> Any:
 
 
 def read_capped_file(storage: "Storage", rel: str, limit: int) -> bytes:
-    """A whole cache file, refused if larger than `limit`; local files only if regular and inside
-    the cache directory."""
+    """A whole cache file, refused if larger than `limit` bytes: the one capped whole-file read.
+    A local file must be a regular file inside the cache directory; a remote one is fetched with
+    one ranged request, which cannot return more than `limit` + 1 bytes."""
     if isinstance(storage, LocalStorage):
         return CacheDir(storage.root).read(rel, limit)
-    return read_capped(storage, rel, limit)
-
-
-def parse_manifest(data: bytes, path: str) -> dict[str, Any]:
-    """Decode and validate a v1 manifest's JSON (everything but the stream order)."""
-    manifest = decode_json(data, path, "manifest")
-    check_manifest(manifest, path)
-    return manifest
+    if not isinstance(storage, RemoteStorage):
+        return storage.read(rel)
+    data = storage.read_range(rel, 0, limit + 1)
+    if len(data) > limit:
+        raise CacheFormatError(f"{storage.url}/{rel}: more than the {limit:,} bytes allowed for this "
+                               "file; it is corrupted or not part of a torchcache cache")
+    return data
 
 
 class _Fields:

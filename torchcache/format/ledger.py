@@ -29,16 +29,16 @@ from typing import Any, Iterable
 
 import numpy as np
 
-from . import blocks as fmt
+from .._util import hooks
 from ..errors import CacheFormatError
+from . import blocks as fmt
 from .storage import HEAD, LocalStorage, RemoteStorage, Storage, open_storage
 
 HEAD_NAME = HEAD
 INDEX_DIR = "index"
 LOG_DIR = "log"
-# Records per index and log chunk for new caches (each cache's manifest records its own). Tests
-# set TORCHCACHE_TEST_CHUNK_RECORDS to cross chunk boundaries with a few blocks.
-CHUNK_RECORDS = int(os.environ.get("TORCHCACHE_TEST_CHUNK_RECORDS", "4096"))
+# Records per index and log chunk for new caches (each cache's manifest records its own)
+CHUNK_RECORDS = 4096
 MAX_HEAD_BYTES = 1 << 20
 MAX_LOG_CHUNK_BYTES = 256 << 20
 PROGRESS_FIELDS = ("records", "skipped", "blocks", "done", "digest")  # an input's, in a final head
@@ -53,6 +53,12 @@ assert RECORD.itemsize == 128
 _NO_KEYS = bytes(32)
 
 
+def new_chunk_records() -> int:
+    """Records per index and log chunk of a new cache: CHUNK_RECORDS (tests shrink it through
+    `hooks.chunk_records` to cross chunk boundaries with a few blocks)."""
+    return hooks.chunk_records or CHUNK_RECORDS
+
+
 def index_chunk_name(chunk: int) -> str:
     return f"{INDEX_DIR}/{chunk:06d}.bin"
 
@@ -63,8 +69,8 @@ def log_chunk_name(chunk: int) -> str:
 
 def empty_head(fingerprint: str) -> dict[str, Any]:
     """The head of a cache that has committed nothing yet."""
-    return {"format": fmt.FORMAT_NAME, "version": 2, "fingerprint": fingerprint, "blocks": 0,
-            "records": 0, "num_tokens": 0, "num_documents": 0, "complete": False, "skipped": {}}
+    return {"format": fmt.FORMAT_NAME, "version": fmt.FORMAT_VERSION, "fingerprint": fingerprint,
+            "blocks": 0, "records": 0, "num_tokens": 0, "num_documents": 0, "complete": False, "skipped": {}}
 
 
 # ---------------------------------------------------------------- block records
@@ -164,6 +170,10 @@ class BlockTable:
 
     def input(self, b: int) -> int:
         return int(self.records["input"][b])
+
+    def entries(self) -> list[dict[str, Any]]:
+        """Every block as :meth:`entry` gives it: the build record's (v1-shaped) block list."""
+        return [self.entry(b) for b in range(self.n)]
 
     def entry(self, b: int) -> dict[str, Any]:
         """Block b as the builder writes entries (and v1 manifests hold them)."""
@@ -270,7 +280,7 @@ def read_manifest(root: "str | os.PathLike | Storage", *, check_order: bool = Tr
         if len(state.head["inputs"]) != len(state.spec["inputs"]):
             raise CacheFormatError(f"{storage.url}/{HEAD_NAME}: inputs has {len(state.head['inputs'])} "
                                    f"entries, the spec {len(state.spec['inputs'])}; the head is corrupted")
-        entries = [state.table.entry(b) for b in range(len(state.table))]
+        entries = state.table.entries()
         progress = state.head["inputs"]
     else:
         try:
@@ -281,11 +291,11 @@ def read_manifest(root: "str | os.PathLike | Storage", *, check_order: bool = Tr
             if "inputs" not in again.head:
                 raise
             return read_manifest(storage, check_order=check_order)
-    blocks = [state.table.entry(b) for b in range(len(state.table))]
+    blocks = state.table.entries()
     visible = {(e["input"], e["index"]) for e in blocks}
     manifest = {
-        "format": fmt.FORMAT_NAME, "version": 2, "spec": state.spec, "fingerprint": state.fingerprint,
-        "chunk_records": state.chunk_records,
+        "format": fmt.FORMAT_NAME, "version": fmt.FORMAT_VERSION, "spec": state.spec,
+        "fingerprint": state.fingerprint, "chunk_records": state.chunk_records,
         "blocks": blocks, "pending": [e for e in entries if (e["input"], e["index"]) not in visible],
         "complete": state.complete, "num_tokens": int(state.table.token_starts[-1]),
         "num_documents": int(state.table.doc_starts[-1]),
@@ -293,8 +303,7 @@ def read_manifest(root: "str | os.PathLike | Storage", *, check_order: bool = Tr
         "skipped": state.skipped,
     }
     if check_order:
-        if [state.table.entry(b) for b in range(len(state.table))] != [
-                e for e in _in_stream_positions(entries, blocks)]:
+        if blocks != _in_stream_positions(entries, blocks):
             raise CacheFormatError(f"{storage.url}/{INDEX_DIR}: the index disagrees with the commit "
                                    "log; the cache is corrupted (restore it or rebuild the cache)")
         _raise_order_problem(manifest, f"{storage.url}/{LOG_DIR}")
@@ -710,8 +719,8 @@ def delete_log(storage: Storage) -> None:
 
 def header(spec: dict[str, Any], fingerprint: str) -> dict[str, Any]:
     """A v2 manifest: the cache's identity, and the chunk size of its index and log."""
-    return {"format": fmt.FORMAT_NAME, "version": 2, "spec": spec, "fingerprint": fingerprint,
-            "chunk_records": CHUNK_RECORDS}
+    return {"format": fmt.FORMAT_NAME, "version": fmt.FORMAT_VERSION, "spec": spec,
+            "fingerprint": fingerprint, "chunk_records": new_chunk_records()}
 
 
 def write_header(storage: Storage, spec: dict[str, Any]) -> None:
@@ -751,7 +760,7 @@ def upgrade(storage: Storage) -> bool:
                 num_tokens=sum(e["num_tokens"] for e in manifest["blocks"]),
                 num_documents=sum(e["num_documents"] for e in manifest["blocks"]),
                 complete=manifest["complete"], skipped=dict(manifest.get("skipped", {})))
-    writer = LedgerWriter(storage, empty_head(manifest["fingerprint"]), CHUNK_RECORDS)
+    writer = LedgerWriter(storage, empty_head(manifest["fingerprint"]), new_chunk_records())
     if manifest["complete"]:
         head.update(records=0, inputs=[dict(p, done=True) for p in progress])
         writer.finish(manifest["blocks"], head)

@@ -66,20 +66,6 @@ def read_regular(path: str, limit: int) -> bytes:
     return data
 
 
-def read_capped(storage: "Storage", rel: str, limit: int) -> bytes:
-    """A whole file of a cache, at most `limit` bytes: local files must be regular files, remote
-    ones are fetched with one ranged request that cannot return more than `limit` + 1 bytes."""
-    if isinstance(storage, LocalStorage):
-        return storage.read(rel, limit)
-    if not isinstance(storage, RemoteStorage):
-        return storage.read(rel)
-    data = storage.fs.cat_file(storage._path(rel), start=0, end=limit + 1)
-    if len(data) > limit:
-        raise CacheFormatError(f"{storage.url}/{rel}: more than the {limit:,} bytes allowed for this "
-                               "file; it is corrupted or not part of a torchcache cache")
-    return data
-
-
 def is_remote(url: str | os.PathLike) -> bool:
     url = os.fspath(url)
     return "://" in url and not url.startswith("file://")

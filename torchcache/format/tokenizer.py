@@ -18,21 +18,29 @@ TokenizerLike = Union[str, os.PathLike, Tokenizer]
 def load_tokenizer(tokenizer: TokenizerLike) -> Tokenizer:
     """A private copy of the tokenizer with truncation and padding off (documents are never cut)."""
     if isinstance(tokenizer, Tokenizer):
-        tok = Tokenizer.from_str(tokenizer.to_str())
-    elif isinstance(tokenizer, (str, os.PathLike)):
-        path = os.fspath(tokenizer)
-        if os.path.isdir(path):
-            path = os.path.join(path, "tokenizer.json")
-        try:
-            tok = Tokenizer.from_file(path)
-        except FileNotFoundError:
-            raise FileNotFoundError(f"tokenizer {path!r} does not exist; pass a tokenizer.json "
-                                    "path or a tokenizers.Tokenizer") from None
-        except Exception as e:
-            raise ValueError(f"tokenizer {path!r} could not be loaded as a tokenizer.json: {e}") from None
-    else:
+        return tokenizer_from_json(tokenizer.to_str())
+    if not isinstance(tokenizer, (str, os.PathLike)):
         raise TypeError(f"tokenizer must be a tokenizer.json path or a tokenizers.Tokenizer, "
                         f"not {type(tokenizer).__name__}")
+    path = os.fspath(tokenizer)
+    if os.path.isdir(path):
+        path = os.path.join(path, "tokenizer.json")
+    try:
+        with open(path, "rb") as f:
+            data = f.read()
+    except FileNotFoundError:
+        raise FileNotFoundError(f"tokenizer {path!r} does not exist; pass a tokenizer.json "
+                                "path or a tokenizers.Tokenizer") from None
+    try:
+        return tokenizer_from_json(data.decode("utf-8"))
+    except Exception as e:  # the tokenizers library reports a bad file as a plain Exception
+        raise ValueError(f"tokenizer {path!r} could not be loaded as a tokenizer.json: {e}") from None
+
+
+def tokenizer_from_json(text: str) -> Tokenizer:
+    """The tokenizer a tokenizer.json text describes, with truncation and padding off: the one
+    way the package makes a tokenizer, so that every copy encodes whole documents alike."""
+    tok = Tokenizer.from_str(text)
     tok.no_truncation()
     tok.no_padding()
     return tok
@@ -43,7 +51,12 @@ def canonical_json(tok: Tokenizer) -> str:
 
 
 def tokenizer_fingerprint(tok: Tokenizer) -> str:
-    return "sha256:" + hashlib.sha256(canonical_json(tok).encode()).hexdigest()
+    return fingerprint_of_json(canonical_json(tok))
+
+
+def fingerprint_of_json(canonical: str) -> str:
+    """The fingerprint of a tokenizer from its :func:`canonical_json`."""
+    return "sha256:" + hashlib.sha256(canonical.encode()).hexdigest()
 
 
 #: sha256 of a tokenizer.json's bytes -> its tokenizer fingerprint: a pure function, kept so that
@@ -71,12 +84,9 @@ def check_cache_tokenizer(data: bytes, fingerprint: str, path: str) -> None:
 
 def _parse_cache_tokenizer(data: bytes, path: str) -> Tokenizer:
     try:
-        tok = Tokenizer.from_str(data.decode("utf-8"))
+        return tokenizer_from_json(data.decode("utf-8"))
     except Exception as e:  # the tokenizers library reports a bad file as a plain Exception
         raise CacheFormatError(f"{path}: not a valid tokenizer.json ({e}); {_RESTORE}") from e
-    tok.no_truncation()
-    tok.no_padding()
-    return tok
 
 
 def _check_fingerprint(data: bytes, fingerprint: str, path: str, tok: Tokenizer | None) -> None:

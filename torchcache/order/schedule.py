@@ -54,6 +54,8 @@ MIXTURE_ALGORITHM = "mixture-largest-remainder-v1"
 
 _BLOCK_CACHE = 64  # per-block (totals, layout, permutation) entries kept
 _PERM_CACHE = 64  # per-(source, epoch) permutations kept
+_TABLE_CACHE = 4  # whole-block tables (source and local index of every slot) kept
+_TABLE_MAX = 1 << 16  # blocks larger than this are never tabled (B * 9 bytes a table)
 
 
 def _fraction(value: Any, what: str) -> Fraction:
@@ -126,11 +128,18 @@ def group_by(keys: np.ndarray) -> Iterator[tuple[int, np.ndarray]]:
     if (keys == first).all():
         yield int(first), np.arange(keys.size)
         return
+    low, high = int(keys.min()), int(keys.max())
+    if high - low < 8:  # a few keys close together (a batch's sources): one mask each
+        for key in range(low, high + 1):
+            where = np.flatnonzero(keys == key)
+            if where.size:
+                yield key, where
+        return
     order = np.argsort(keys, kind="stable")
     sorted_keys = keys[order]
-    cuts = np.flatnonzero(sorted_keys[1:] != sorted_keys[:-1]) + 1
-    for part in np.split(order, cuts):
-        yield int(keys[part[0]]), part
+    cuts = [0, *(np.flatnonzero(sorted_keys[1:] != sorted_keys[:-1]) + 1).tolist(), keys.size]
+    for start, stop in zip(cuts, cuts[1:]):
+        yield int(sorted_keys[start]), order[start:stop]
 
 
 
@@ -229,6 +238,9 @@ class MixtureSchedule:
         # small caches of immutable entries; a batch touches one or two blocks
         self._blocks: LRUCache[tuple[np.ndarray, np.ndarray, Permutation]] = LRUCache(_BLOCK_CACHE)
         self._perms: LRUCache[Permutation] = LRUCache(_PERM_CACHE)
+        # blocks read densely (a loader reads the mixture in order) are mapped whole, once
+        self._tables: LRUCache[tuple[np.ndarray, np.ndarray]] = LRUCache(_TABLE_CACHE)
+        self._touched: LRUCache[bool] = LRUCache(_BLOCK_CACHE)
 
     # -- construction ---------------------------------------------------------------------------
 
@@ -488,11 +500,16 @@ class MixtureSchedule:
         source, local = self._flat_positions(idx.reshape(-1))
         return source.reshape(idx.shape), local.reshape(idx.shape)
 
+    def _check_largest(self, idx: np.ndarray) -> None:
+        """IndexError if a mixture index is too large for its block's arithmetic in int64."""
+        B = self.block_size
+        if idx.size and int(idx.max()) > INT64_MAX - B:
+            raise IndexError(f"mixture index {int(idx.max())} is too large (max 2**63 - 1 - {B})")
+
     def _flat_positions(self, idx: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """Source and source-local stream position ``L`` of flat, checked mixture indices."""
         B = self.block_size
-        if idx.size and int(idx.max()) > np.iinfo(np.int64).max - B:
-            raise IndexError(f"mixture index {int(idx.max())} is too large (max 2**63 - 1 - {B})")
+        self._check_largest(idx)
         blocks, slots = np.divmod(idx, B)
         source = np.empty(idx.shape, dtype=np.int64)
         local = np.empty(idx.shape, dtype=np.int64)
@@ -512,12 +529,56 @@ class MixtureSchedule:
 
         >>> schedule = tc.MixtureSchedule({"web": 1000, "code": 50}, block_size=64)
         >>> source, local = schedule.locate([0, 10**12])
-        >>> [schedule.names[k] for k in source.tolist()]  # doctest: +SKIP
+        >>> [schedule.names[k] for k in source.tolist()]
         ['web', 'web']
         """
         idx = self._indices(indices)
-        flat = idx.reshape(-1)
-        source, pos = self._flat_positions(flat)
+        source, local = self._flat_locate(idx.reshape(-1))
+        return source.reshape(idx.shape), local.reshape(idx.shape)
+
+    def _flat_locate(self, idx: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """:meth:`locate` of flat, checked mixture indices.
+
+        A block read a second time (or by many indices at once) is mapped whole, in one
+        vectorised pass, and kept: a loader reads the mixture in order, so the next batches of
+        that block are plain lookups instead of two keyed permutations per index.
+        """
+        B = self.block_size
+        if B > _TABLE_MAX or not idx.size:
+            return self._source_locals(*self._flat_positions(idx))
+        b = int(idx[0]) // B
+        table = self._tables.get(b)
+        if table is not None and int(idx.max()) < (b + 1) * B and int(idx.min()) >= b * B:
+            slots = idx - b * B  # the usual batch: inside one block already mapped
+            return table[0][slots], table[1][slots]
+        self._check_largest(idx)
+        blocks, slots = np.divmod(idx, B)
+        source = np.empty(idx.shape, dtype=np.int64)
+        local = np.empty(idx.shape, dtype=np.int64)
+        rest = []  # positions of indices in blocks read sparsely: mapped one by one
+        for b, where in group_by(blocks):
+            table = self._tables.get(b)
+            if table is None and (self._touched.get(b) or where.size * 8 >= B):
+                table = self._tables.get_or_make(b, lambda: self._make_table(b))
+            if table is None:
+                self._touched.put(b, True)
+                rest.append(where)
+                continue
+            at = slots[where]
+            source[where], local[where] = table[0][at], table[1][at]
+        if rest:
+            where = np.concatenate(rest) if len(rest) > 1 else rest[0]
+            source[where], local[where] = self._source_locals(*self._flat_positions(idx[where]))
+        return source, local
+
+    def _make_table(self, b: int) -> tuple[np.ndarray, np.ndarray]:
+        """``(source, local)`` of every slot of block ``b``: its whole mapping, vectorised."""
+        slots = np.arange(self.block_size, dtype=np.int64)
+        return self._source_locals(*self._flat_positions(b * self.block_size + slots))
+
+    def _source_locals(self, source: np.ndarray, pos: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """``(source, local index)`` from sources and source-local stream positions ``L``:
+        each source's pass ``L // n`` is its own keyed permutation of ``[0, n)``."""
         local = np.empty_like(pos)
         for k, where in group_by(source):
             n = self.lengths[k]
@@ -527,7 +588,7 @@ class MixtureSchedule:
             epochs, offsets = np.divmod(pos[where], n)
             for e, sub in group_by(epochs):
                 local[where[sub]] = _permute(self._source_permutation(k, e), offsets[sub])
-        return source.reshape(idx.shape), local.reshape(idx.shape)
+        return source, local
 
     def locate_one(self, index: int) -> tuple[int, int]:
         """``(source_id, local_index)`` of one mixture index, as ints.

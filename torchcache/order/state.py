@@ -61,6 +61,8 @@ _STATE_FIELDS: dict[str, Callable[[Any, str], Any]] = {
     "counts": _text_field,
     "seed": _count_field,
     "shuffle": bool_arg,
+    # len(dataset) (DistributedSampler.dataset_size), not torch's per-rank num_samples: the
+    # saved name predates that attribute and stays, so that saved states keep their meaning.
     "num_samples": _optional_count_field,
     "window": _optional_positive_field,
     "fingerprint": _fingerprint_field,
@@ -88,11 +90,17 @@ def check_state(state: Any, expected: Mapping[str, Any], fields: Collection[str]
     cache still being built) matches anything, but not both at once for a dataset they would
     identify: see :func:`_identity_problems`.
 
-    >>> checked = check_state(saved, {"format": "torchcache.loader", "version": 1, ...},
-    ...                       ("format", "version", "consumed", ...), "DataLoader",
-    ...                       "Resume with the same dataset.")  # doctest: +SKIP
-    >>> checked["consumed"]  # doctest: +SKIP
+    >>> expected = {"format": "torchcache.sampler", "version": 1, "seed": 7}
+    >>> fields = ("format", "version", "seed", "consumed")
+    >>> saved = {"format": "torchcache.sampler", "version": 1, "seed": 7, "consumed": 4096}
+    >>> check_state(saved, expected, fields, "Sampler", "Resume with the same seed.")["consumed"]
     4096
+    >>> check_state(dict(saved, seed=8), expected, fields, "Sampler", "Resume with the same seed.")
+    Traceback (most recent call last):
+    ValueError: cannot load this state into Sampler: seed: saved 8, this Sampler has 7. ...
+    >>> check_state(dict(saved, consumed=-1), expected, fields, "Sampler", "")
+    Traceback (most recent call last):
+    ValueError: state['consumed'] must be >= 0, got -1
     """
     if not isinstance(state, Mapping):
         raise TypeError(f"state must be a dict from {what}.state_dict(), got {type(state).__name__}")

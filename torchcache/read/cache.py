@@ -9,27 +9,32 @@ Anything wrong is a CacheFormatError (or an OSError) naming the file.
 Open block files are shared by all TokenCaches of a process in one bounded pool (see
 _OpenBlocks), so many caches (a mixture of 20 sources) never exhaust the descriptor limit.
 
-Tokens are copied out of a local block through a read-only memory map while the process maps
-at most ``TORCHCACHE_MAP_BYTES`` (default 256 MiB) of block files, and with pread beyond that
-(and once the pool has closed the block: a cache of more blocks than the pool holds).
-A mapped copy of a few KB costs a third of a pread, but the pages it touches stay counted in the
-process's RSS (as shared page cache) until the block is closed; the budget keeps that bounded,
-whatever the cache's size. DataLoader worker processes (often many per GPU, and not where the
-time goes) and remote caches' local copies always read with pread, so their RSS stays flat. So
-do prefetch threads: a copy from a map holds the GIL, a pread lets the training loop run.
+Every read is one gather (:meth:`TokenCache.read_ranges`: a list of token ranges into one
+array, block by block); ``read`` and ``read_many`` are its common shapes. Tokens are copied out
+of a block file through a read-only memory map while the cache's maps stay within its
+``map_bytes`` (an argument, default 256 MiB), and with pread beyond that (and once the pool has
+closed the block: a cache of more blocks than the pool holds). A mapped copy of a few KB costs a
+third of a pread, but the pages it touches stay counted in the process's RSS (as shared page
+cache) until the block is closed; the budget keeps that bounded, whatever the cache's size.
+``map_bytes=0`` reads everything with pread, so RSS stays flat: what a loader wants in its
+worker processes (:meth:`TokenCache.with_map_bytes` gives such a copy). A remote cache read under
+a ``cache_limit`` reads through :mod:`torchcache.read.remote_reads` instead (local copies with
+pread, ranged requests for the rest), one call per batch of ranges.
 """
 
 from __future__ import annotations
 
 import functools
 import hashlib
+import itertools
 import mmap
 import os
+import pickle
 import stat
 import threading
-import sys
 import weakref
 from collections import OrderedDict
+from collections.abc import Iterable, Sequence
 from typing import Any
 
 import numpy as np
@@ -39,31 +44,21 @@ from ..format import blocks as fmt
 from .._util.args import index_array, int_arg
 from .._util.lru import LRUCache
 from .cache_files import (check_block_file, load_keys, load_offsets, locate_cache, named_map_copy,
-                          offsets_max_size, pread_fully)
+                          offsets_max_size)
 from ..errors import CacheFormatError
 from ..format.ledger import BlockTable, CacheState, open_state, refresh_state
-from .local_copies import STAT_FIELDS, SessionStats, parse_size, tree_bytes
-from .prefetch import in_prefetch_thread
+from .local_copies import STAT_FIELDS, STATS_DIR, SessionStats, parse_size, tree_bytes
 from .remote_reads import ArrayReads, BoundedReader, ReadOrder
 from ..format.tokenizer import cache_tokenizer
 
-__all__ = ["TokenCache"]
+__all__ = ["TokenCache", "gather_rows"]
 
 _MAX_DESCRIPTORS = 128  # descriptors of block files open at once in a process (all caches)
 _MAX_CACHED_OFFSETS = 64  # blocks whose document offsets a TokenCache keeps in memory
 _MAX_CACHED_KEYS = 4  # blocks whose document keys a TokenCache keeps (a keys file can be large)
 _MAX_CHECKED_BLOCKS = 1 << 16  # blocks a TokenCache remembers as checked (path and token start)
-_MAP_BYTES_VARIABLE = "TORCHCACHE_MAP_BYTES"
-_DEFAULT_MAP_BYTES = 256 << 20  # block bytes a process maps at most, all TokenCaches together
-
-
-def _map_budget() -> int:
-    """The process's budget of mapped block bytes: ``$TORCHCACHE_MAP_BYTES`` (a size such as
-    ``"1GiB"``; 0 reads everything with pread) or the default."""
-    value = os.environ.get(_MAP_BYTES_VARIABLE)
-    if value is None:
-        return _DEFAULT_MAP_BYTES
-    return parse_size(value.strip(), f"the environment variable {_MAP_BYTES_VARIABLE}", minimum=0)
+DEFAULT_MAP_BYTES = 256 << 20  # block bytes a TokenCache maps at most, unless told otherwise
+_TRUNCATED = "run `torchcache verify`"  # what to do about a block file that ends too soon
 
 
 def _locked(method):
@@ -83,35 +78,35 @@ def _locked(method):
     return wrapper
 
 
-def _in_dataloader_worker() -> bool:
-    """True in a torch DataLoader worker process (torch is not imported for this)."""
-    data = sys.modules.get("torch.utils.data")
-    return data is not None and data.get_worker_info() is not None
+class _MapBudget:
+    """The bytes of block files one TokenCache may map (``limit``) and has mapped (``used``,
+    changed under the pool lock only)."""
+
+    __slots__ = ("limit", "used")
+
+    def __init__(self, limit: int):
+        self.limit, self.used = limit, 0
+
+    def room(self, size: int) -> bool:
+        return 0 < size <= self.limit - self.used
 
 
 class _Block:
     """An open block file: its descriptor, where global tokens lie in it, who owns it, and its
-    memory map while the pool's budget allows one (None: read with pread)."""
+    memory map while its cache's budget allows one (None: read with pread)."""
 
-    __slots__ = ("fd", "data_end", "base", "path", "index", "owner", "used", "map", "copy")
+    __slots__ = ("fd", "data_end", "base", "path", "index", "owner", "used", "map", "copy",
+                 "budget")
 
     def __init__(self, fd: int, data_start: int, path: str, index: int, owner: weakref.ref,
-                 first_token: int, tokens: int, itemsize: int):
+                 first_token: int, tokens: int, itemsize: int, budget: _MapBudget):
         self.fd, self.path, self.index, self.owner = fd, path, index, owner
         self.data_end = data_start + tokens * itemsize  # file offset past the last token
         self.base = data_start - first_token * itemsize  # global token t is at base + t * itemsize
         self.used = True  # CLOCK bit: set on every use, cleared by the eviction sweep
         self.map: mmap.mmap | None = None
         self.copy = None  # with a map: copies out of it in a frame named after the file (SIGBUS)
-
-    def read_into(self, dest: memoryview, offset: int, use_map: bool) -> None:
-        """Fill ``dest`` with the block file's bytes from ``offset`` (from the map if there is
-        one and ``use_map``): an error names the file."""
-        m = self.map
-        if m is not None and use_map:
-            self.copy(dest, m, offset)
-            return
-        pread_fully(self.fd, dest, offset, self.path, "run `torchcache verify`")
+        self.budget = budget  # the owner's map budget (what closing the map gives back)
 
 
 def _descriptors(block: _Block) -> int:
@@ -138,8 +133,6 @@ class _OpenBlocks:
 
     def __init__(self, limit: int):
         self.limit = limit
-        self.map_budget: int | None = None  # read from the environment at the first map()
-        self.mapped = 0  # bytes of the open blocks' memory maps
         self.lock = threading.RLock()
         self.blocks: OrderedDict[_Block, None] = OrderedDict()
         self.held = 0  # descriptors of the blocks in the table
@@ -151,8 +144,8 @@ class _OpenBlocks:
             self.caches.add(cache)
 
     def add(self, block: _Block, map_size: int | None) -> None:
-        """Track a newly opened block (mapped if ``map_size`` is given and the budget allows);
-        close the least recently used ones above the limit."""
+        """Track a newly opened block (mapped if ``map_size`` is given and its cache's budget
+        has room); close the least recently used ones above the limit."""
         with self.lock:
             while self.dead:
                 self.discard(self.dead.pop())
@@ -192,24 +185,23 @@ class _OpenBlocks:
             self.held -= _descriptors(block)
         self.close(block)
 
-    def _map(self, block: _Block, size: int) -> None:
-        """Map a local block of ``size`` bytes if the budget has room for it (and this is not a
-        DataLoader worker)."""
-        if self.map_budget is None:
-            self.map_budget = _map_budget()
-        if not 0 < size <= self.map_budget - self.mapped or _in_dataloader_worker():
+    @staticmethod
+    def _map(block: _Block, size: int) -> None:
+        """Map a block file of ``size`` bytes if its cache's budget has room for it."""
+        if not block.budget.room(size):
             return
         try:
             block.map = mmap.mmap(block.fd, size, prot=mmap.PROT_READ)
         except (OSError, ValueError):  # no address space or descriptor, or a filesystem that
             return  # cannot map: the block is read with pread, as beyond the budget
         block.copy = named_map_copy(block.path)
-        self.mapped += size
+        block.budget.used += size
 
-    def close(self, block: _Block) -> None:
+    @staticmethod
+    def close(block: _Block) -> None:
         m, block.map = block.map, None
         if m is not None:
-            self.mapped -= len(m)
+            block.budget.used -= len(m)
             m.close()
         fd, block.fd = block.fd, -1
         if fd >= 0:
@@ -229,9 +221,8 @@ class _OpenBlocks:
             inherited.extend(cache._open.values())
             cache._reset_process_state()
         self.blocks, self.dead, self.held = OrderedDict(), [], 0
-        for block in inherited:
+        for block in inherited:  # (their budgets are the parent's: each cache has a new one)
             self.close(block)
-        self.mapped = 0
 
 
 _POOL = _OpenBlocks(_MAX_DESCRIPTORS)
@@ -247,11 +238,10 @@ class TokenCache:
     Safe to share between threads (e.g. a prefetch thread and the training loop).
 
     The global token stream is the blocks' tokens in manifest order. Block files are opened
-    lazily in each process and read through memory maps (at most ``$TORCHCACHE_MAP_BYTES``,
-    default 256 MiB, of block files a process; never in DataLoader workers) or with pread, so
-    nothing is copied into RAM beyond what is asked for; pickling a TokenCache (for DataLoader
-    workers) sends only the path and a few small arrays. `refresh()` picks up blocks committed
-    since it was opened.
+    lazily in each process and read through memory maps (at most ``map_bytes`` of this cache's
+    block files) or with pread, so nothing is copied into RAM beyond what is asked for; pickling
+    a TokenCache (for DataLoader workers) sends only the path and a few small arrays.
+    `refresh()` picks up blocks committed since it was opened.
 
     Args:
         path: the cache directory, or the URL of a remote one (``s3://...``).
@@ -264,20 +254,72 @@ class TokenCache:
             string such as ``"200GB"`` or ``"500MiB"`` (KB, MB, GB: powers of 1000; KiB, MiB,
             GiB: of 1024). Blocks that are not copied are read by ranged requests for just the
             bytes asked; the copies kept are those the read plan needs soonest (see
-            :meth:`plan_reads`; a DistributedSampler gives its order to a TokenDataset by
-            itself); copies in use by any process are never evicted. None (the default): copy
-            every block read and keep it. Ignored for a local cache (read in place). All the
-            processes sharing ``local_dir`` should use the same limit.
+            :meth:`plan_reads`; :class:`torchcache.DataLoader` plans a
+            :class:`torchcache.TokenDataset`'s reads when it starts iterating); copies in use
+            by any process are never evicted. None (the default): copy every block read and
+            keep it. Ignored for a local cache (read in place). All the processes sharing
+            ``local_dir`` should use the same limit.
         fetch_threads: with ``cache_limit``, the most remote requests one process makes at once.
         readahead: with ``cache_limit``, how many of its next planned reads a process fetches
             ahead (whole blocks the policy keeps, ranged reads of the others).
         lookahead: with ``cache_limit``, how many planned reads the eviction policy looks at.
+        map_bytes: the most bytes of block files this cache keeps memory-mapped in a process
+            (an int or a size string, as ``cache_limit``); blocks beyond it are read with
+            pread. 0 reads everything with pread: the process's RSS then stays flat (for
+            DataLoader worker processes, see :meth:`with_map_bytes`). Default 256 MiB.
 
-    >>> cache = tc.TokenCache("runs/quickstart/cache")  # doctest: +SKIP
-    >>> cache.num_tokens, cache.num_documents  # doctest: +SKIP
-    (1419343, 14)
-    >>> cache.decode(cache.read(0, 8))  # doctest: +SKIP
-    'The Project Gutenberg eBook of Pride and'
+    A tiny cache, built here from a word-level tokenizer, shows the reads:
+
+    >>> import tempfile
+    >>> import torchcache as tc
+    >>> from tokenizers import Tokenizer, models, pre_tokenizers
+    >>> words = "the cat sat on a mat dog ran far <eos>".split()
+    >>> vocab = {w: i for i, w in enumerate(words)} | {"[UNK]": len(words)}
+    >>> tokenizer = Tokenizer(models.WordLevel(vocab, unk_token="[UNK]"))
+    >>> tokenizer.pre_tokenizer = pre_tokenizers.Whitespace()
+    >>> tmp = tempfile.TemporaryDirectory()
+    >>> docs = ["the cat sat on a mat", "a dog ran far", "the dog sat"] * 4
+    >>> built = tc.build_cache(iter(docs), f"{tmp.name}/cache", tokenizer, eos="<eos>",
+    ...                        block_tokens=16, num_workers=1, progress=False)
+    >>> cache = tc.TokenCache(f"{tmp.name}/cache")
+    >>> cache.num_tokens, cache.num_documents, cache.num_blocks
+    (64, 12, 4)
+    >>> cache.decode(cache.read(0, 7))
+    'the cat sat on a mat <eos>'
+
+    Many reads in one call: equal rows with :meth:`read_many`, any ranges with
+    :meth:`read_ranges` (the gather every read goes through; here they cross blocks):
+
+    >>> cache.read_many([0, 7, 12], 5)
+    array([[0, 1, 2, 3, 4],
+           [4, 6, 7, 8, 9],
+           [0, 6, 2, 9, 0]], dtype=uint16)
+    >>> other = tc.TokenCache(f"{tmp.name}/cache")  # rows of several caches in one array:
+    >>> gather_rows([cache, other], [1, 0], [7, 0], 5)
+    array([[4, 6, 7, 8, 9],
+           [0, 1, 2, 3, 4]], dtype=uint16)
+    >>> cache.block_token_starts()[:3], cache.read_ranges([14, 0], [4, 2])
+    (array([ 0, 16, 32]), array([2, 9, 0, 1, 0, 1], dtype=uint16))
+
+    Documents, and where tokens come from:
+
+    >>> cache.document_span(1), cache.document_at(10), cache.document_starts_in(0, 16)
+    ((7, 12), 1, array([ 7, 12]))
+    >>> cache.decode(cache.document(2))
+    'the dog sat <eos>'
+    >>> cache.trace(13)["offset_in_document"]
+    1
+
+    A copy that reads with pread only (what a DataLoader worker process wants), and no reads
+    left open:
+
+    >>> pread_only = cache.with_map_bytes(0)
+    >>> pread_only.map_bytes, bool((pread_only.read(0, 64) == cache.read(0, 64)).all())
+    (0, True)
+    >>> cache.close(); other.close(); pread_only.close(); tmp.cleanup()
+
+    A remote cache larger than the local disk (needs a store):
+
     >>> remote = tc.TokenCache("s3://bucket/cache", local_dir="/nvme/tc", cache_limit="200GB")  # doctest: +SKIP
     >>> remote.stats()["hit_rate"]  # after some training  # doctest: +SKIP
     0.25
@@ -286,11 +328,13 @@ class TokenCache:
     def __init__(self, path: str | os.PathLike, *, verify_checksums: bool = False,
                  storage_options: dict[str, Any] | None = None, local_dir: str | None = None,
                  cache_limit: int | str | None = None, fetch_threads: int = 16,
-                 readahead: int = 256, lookahead: int = 16384):
+                 readahead: int = 256, lookahead: int = 16384,
+                 map_bytes: int | str = DEFAULT_MAP_BYTES):
         limit = None if cache_limit is None else parse_size(cache_limit, "cache_limit")
         fetch_threads = int_arg(fetch_threads, "fetch_threads", 1, 1024)
         readahead = int_arg(readahead, "readahead", 0, 1 << 20)
         lookahead = int_arg(lookahead, "lookahead", 1, 1 << 24)
+        self.map_bytes: int = parse_size(map_bytes, "map_bytes", minimum=0)
         self.verify_checksums = verify_checksums
         self._offsets: LRUCache[np.ndarray] = LRUCache(_MAX_CACHED_OFFSETS)
         # (path, token start) of local blocks checked once, to reopen them cheaply
@@ -304,13 +348,29 @@ class TokenCache:
         self._load(open_state(self._source.metadata))
         self._bounded: BoundedReader | None = None
         if self._remote is not None:
-            stats = SessionStats()
+            stats = SessionStats(os.path.join(self.root, STATS_DIR))
             self._source.stats = stats
             if limit is not None:
                 self._source.in_memory = True  # sidecars and tokenizer: read into memory, not copied
                 self._bounded = BoundedReader(self._source, limit, self.dtype.itemsize,
                                               fetch_threads=fetch_threads, readahead=readahead,
                                               lookahead=lookahead, stats=stats)
+
+    def with_map_bytes(self, map_bytes: int | str) -> "TokenCache":
+        """A new TokenCache of the same cache, as this one is now (committed blocks, read plan,
+        statistics session), that maps at most ``map_bytes`` of block files (0: pread only).
+
+        It is what a DataLoader worker process would get (the TokenCache pickled): nothing open
+        is shared, so each may be used, and closed, on its own. A loader that starts worker
+        processes hands them a ``with_map_bytes(0)`` copy, so their RSS stays flat.
+
+        >>> workers_cache = cache.with_map_bytes(0)  # doctest: +SKIP
+        """
+        limit = parse_size(map_bytes, "map_bytes", minimum=0)
+        clone = pickle.loads(pickle.dumps(self))
+        clone.map_bytes = limit
+        clone._maps = _MapBudget(limit)
+        return clone
 
     def _init_process_state(self) -> None:
         """What never travels between processes: lock, open blocks, tokenizer."""
@@ -323,6 +383,7 @@ class TokenCache:
         self._lock = threading.RLock()
         self._open: dict[int, _Block] = {}
         self._doomed: list[_Block] = []
+        self._maps = _MapBudget(self.map_bytes)
 
     # ------------------------------------------------------------ committed state
     def _load(self, state: CacheState) -> None:
@@ -425,7 +486,7 @@ class TokenCache:
     # ------------------------------------------------------------ pickling: paths and small arrays only
     def __getstate__(self) -> dict[str, Any]:
         state = self.__dict__.copy()
-        for name in ("_lock", "_open", "_doomed", "_tokenizer", "_ref"):
+        for name in ("_lock", "_open", "_doomed", "_tokenizer", "_ref", "_maps"):
             del state[name]
         state["_verified"] = set()  # (the LRU caches pickle empty)
         return state
@@ -488,7 +549,7 @@ class TokenCache:
 
     def _block(self, fd: int, data_start: int, path: str, b: int) -> _Block:
         return _Block(fd, data_start, path, b, self._ref, int(self._token_starts[b]),
-                      self._block_tokens(b), self.dtype.itemsize)
+                      self._block_tokens(b), self.dtype.itemsize, self._maps)
 
     @staticmethod
     def _reopen(path: str, size: int) -> int | None:
@@ -505,10 +566,9 @@ class TokenCache:
 
     def _track(self, block: _Block, may_map: bool) -> _Block:
         """Keep a newly opened block: in this cache's table and the process's pool (mapped there
-        if ``may_map``, it is local and the budget allows)."""
+        if ``may_map`` and this cache's budget has room)."""
         self._open[block.index] = block
-        local = may_map and self._remote is None
-        _POOL.add(block, self._table.size(block.index) if local else None)
+        _POOL.add(block, self._table.size(block.index) if may_map else None)
         return block
 
     def _forget(self, block: _Block) -> None:
@@ -556,7 +616,59 @@ class TokenCache:
         finally:
             os.close(fd)
 
-    # ------------------------------------------------------------ reading
+    # ------------------------------------------------------------ reading: one gather
+    @_locked
+    def read_ranges(self, starts: Any, lengths: Any, out: np.ndarray | None = None,
+                    out_offsets: Any = None) -> np.ndarray:
+        """Many token ranges in one call, the gather every read goes through: range ``k``
+        (tokens ``[starts[k], starts[k] + lengths[k])``, crossing blocks as needed) goes to
+        ``out.reshape(-1)[out_offsets[k]:]``, in the cache's dtype.
+
+        ``out``: a C-contiguous array of the cache's dtype (default: a new flat one of
+        ``sum(lengths)`` tokens); ``out_offsets``: where each range goes in it (default: one
+        after the other). Returns ``out``. The ranges are read block by block: from a local
+        block (its memory map or pread), or from a remote cache's local copies and ranged
+        requests (one per block run of ranges, in parallel).
+
+        >>> cache.read_ranges([14, 0], [4, 2])  # doctest: +SKIP
+        array([2, 9, 0, 1, 0, 1], dtype=uint16)
+        """
+        starts = index_array(starts, "starts").reshape(-1)
+        lengths = index_array(lengths, "lengths").reshape(-1)
+        if len(lengths) != len(starts):
+            raise ValueError(f"starts and lengths must have the same length, got {len(starts)} "
+                             f"and {len(lengths)}")
+        if out_offsets is None:
+            out_offsets = np.cumsum(lengths) - lengths
+        else:
+            out_offsets = index_array(out_offsets, "out_offsets").reshape(-1)
+            if len(out_offsets) != len(starts):
+                raise ValueError(f"out_offsets must have one offset per range ({len(starts)}), "
+                                 f"got {len(out_offsets)}")
+        # each check is one reduction over all the ranges (a batch reads a few dozen ranges: a
+        # numpy call per condition would cost more than the copies). Viewed as unsigned, a
+        # negative value is past every bound; and where starts and lengths are at most
+        # num_tokens, their sum cannot wrap around.
+        n = self.num_tokens
+        if len(starts) and int(np.maximum.reduce(np.concatenate((starts, lengths, starts + lengths))
+                                       .view(np.uint64))) > n:
+            k = int(np.flatnonzero((lengths < 0) | (starts < 0) | (starts > n) | (lengths > n)
+                                   | (starts + lengths > n))[0])
+            start, length = int(starts[k]), int(lengths[k])
+            raise IndexError(f"token range [{start}, {start + length}) outside [0, {n})")
+        if out is None:
+            out = np.empty(int(lengths.sum()), dtype=self.dtype)
+        elif out.dtype != self.dtype or not out.flags.c_contiguous:
+            raise ValueError(f"out must be a C-contiguous {self.dtype} array")
+        if len(starts) == 0:
+            return out
+        if int(np.maximum.reduce(np.concatenate((out_offsets, out_offsets + lengths))
+                                 .view(np.uint64))) > out.size:
+            raise IndexError(f"a range goes past the end of out ({out.size} tokens) or before "
+                             "its start: check out_offsets")
+        self._gather(starts, lengths, out, out_offsets)
+        return out
+
     @_locked
     def read(self, start: int, stop: int, out: np.ndarray | None = None) -> np.ndarray:
         """Tokens [start, stop) of the global stream (crossing blocks), in the cache's dtype.
@@ -564,153 +676,99 @@ class TokenCache:
         ``out``: an array of ``stop - start`` tokens of the cache's dtype to read into.
 
         >>> cache.read(0, 4)  # doctest: +SKIP
-        array([  464,  4935, 20336, 46566], dtype=uint16)
+        array([0, 1, 2, 3], dtype=uint16)
         """
         start, stop = int_arg(start, "start", minimum=None), int_arg(stop, "stop", minimum=None)
         if not 0 <= start <= stop <= self.num_tokens:
             raise IndexError(f"token range [{start}, {stop}) outside [0, {self.num_tokens})")
         if out is None:
             out = np.empty(stop - start, dtype=self.dtype)
-        if self._bounded is not None:
-            if stop > start:
-                self._bounded.read_many(self._table, self.dtype, np.array([start], dtype=np.int64),
-                                        stop - start, out.reshape(1, -1))
-            return out
-        b = int(np.searchsorted(self._token_starts, start, side="right")) - 1
-        pos = start
-        view = memoryview(out.view(np.uint8))
-        item = self.dtype.itemsize
-        opened, use_map = self._open, not in_prefetch_thread()
-        while pos < stop:
-            block = opened.get(b) or self._open_block(b)
-            block.used = True
-            count = min(stop, int(self._token_starts[b + 1])) - pos
-            block.read_into(view[(pos - start) * item:(pos - start + count) * item],
-                            block.base + pos * item, use_map)
-            pos += count
-            b += 1
+        elif out.size != stop - start or out.dtype != self.dtype or not out.flags.c_contiguous:
+            raise ValueError(f"out must be a C-contiguous {self.dtype} array of {stop - start} tokens")
+        if stop > start:
+            self._gather(np.array([start], dtype=np.int64), stop - start, out)
         return out
 
     @_locked
-    def read_many(self, starts: np.ndarray, length: int, out: np.ndarray | None = None) -> np.ndarray:
-        """Rows ``out[i]`` = tokens ``[starts[i], starts[i] + length)``: many equal reads in one call.
+    def read_many(self, starts: Any, length: int, out: np.ndarray | None = None) -> np.ndarray:
+        """Rows ``out[i]`` = tokens ``[starts[i], starts[i] + length)``: many equal reads in one
+        call (:meth:`read_ranges` of equal ranges, into a 2-d array; :func:`gather_rows` for
+        rows of several caches).
 
-        The same as calling :meth:`read` per row, with the block lookup vectorised and one pread
-        per row that lies inside one block (a row crossing blocks goes through :meth:`read`).
-
-        >>> rows = cache.read_many(np.array([0, 2048, 4096]), 2049)  # doctest: +SKIP
-        >>> rows.shape  # doctest: +SKIP
-        (3, 2049)
+        >>> cache.read_many([0, 7, 12], 5).shape  # doctest: +SKIP
+        (3, 5)
         """
-        starts = np.asarray(starts, dtype=np.int64).reshape(-1)
+        starts = index_array(starts, "starts").reshape(-1)
         length = int_arg(length, "length", minimum=None)
-        if out is None:
-            out = np.empty((len(starts), length), dtype=self.dtype)
-        elif (out.shape != (len(starts), length) or out.dtype != self.dtype
-              or not out.flags.c_contiguous):
-            raise ValueError(f"out must be a C-contiguous {self.dtype} array of shape "
-                             f"({len(starts)}, {length})")
+        out = _rows_out(out, len(starts), length, self.dtype)
         if starts.size == 0:
             return out
-        if length < 0 or starts.min() < 0 or int(starts.max()) + length > self.num_tokens:
+        if length < 0 or int(starts.view(np.uint64).max()) + length > self.num_tokens:
             bad = starts[(starts < 0) | (starts + length > self.num_tokens)]
             first = int(bad[0]) if bad.size else int(starts[0])
             raise IndexError(f"token range [{first}, {first + length}) outside [0, {self.num_tokens})")
-        if self._bounded is not None:
-            return self._bounded.read_many(self._table, self.dtype, starts, length, out)
-        self._read_rows(starts, length, out)
+        if length:
+            self._gather(starts, length, out)
         return out
 
-    @_locked
-    def _read_checked_rows(self, starts: np.ndarray, length: int) -> np.ndarray:
-        """:meth:`read_many` of int64 ``starts`` the caller checked (every row inside the
-        stream): what a dataset's batch costs beyond the copies, kept small."""
-        out = np.empty((len(starts), length), dtype=self.dtype)
-        if self._bounded is not None:
-            return self._bounded.read_many(self._table, self.dtype, starts, length, out)
-        self._read_rows(starts, length, out)
-        return out
+    def _gather(self, starts: np.ndarray, lengths: np.ndarray | int, out: np.ndarray,
+                at: np.ndarray | None = None) -> None:
+        """Checked ranges into ``out`` (lock held): the one read path. Range ``k`` is tokens
+        ``[starts[k], starts[k] + lengths[k])`` (``lengths`` an int: all of that length) and
+        goes to flat token offset ``at[k]`` (None: rows of ``lengths``, one after the other).
 
-    def _read_rows(self, starts: np.ndarray, length: int, out: np.ndarray) -> None:
-        """Checked rows of a local cache into ``out`` (caller holds the lock): one copy per row
-        inside one block, with little else in the loop; a row crossing blocks (rare) through
-        :meth:`read`."""
-        if length == 0:
-            return
-        item = self.dtype.itemsize
-        nbytes = length * item
-        flat = memoryview(out.reshape(-1).view(np.uint8))
-        opened, at, use_map = self._open, 0, not in_prefetch_thread()
-        blocks = self._token_starts.searchsorted(starts, side="right") - 1
-        for b, start in zip(blocks.tolist(), starts.tolist()):
-            block = opened.get(b) or self._open_block(b)
-            block.used = True
-            offset = block.base + start * item
-            end = at + nbytes
-            m = block.map
-            if offset + nbytes > block.data_end:  # the row runs into the next block
-                self.read(start, start + length, out=out.reshape(-1)[at // item:end // item])
-            elif m is not None and use_map:  # read_into's map copy, inline: the hot path
-                block.copy(flat[at:end], m, offset)
-            else:
-                block.read_into(flat[at:end], offset, False)
-            at = end
-
-    @_locked
-    def read_ranges(self, starts: np.ndarray, lengths: np.ndarray, out: np.ndarray,
-                    out_offsets: np.ndarray) -> np.ndarray:
-        """Many token ranges of different lengths in one call: range ``k`` (tokens
-        ``[starts[k], starts[k] + lengths[k])``) goes to ``out.reshape(-1)[out_offsets[k]:]``.
-
-        One pread per range that lies inside one block (a range crossing blocks goes through
-        :meth:`read`). ``out`` is a C-contiguous array of the cache's dtype.
-
-        >>> flat = np.empty(10, dtype=cache.dtype)  # doctest: +SKIP
-        >>> cache.read_ranges(np.array([100, 0]), np.array([4, 6]), flat, np.array([0, 4]))  # doctest: +SKIP
+        A remote cache under a limit reads through its BoundedReader; otherwise each range is
+        copied from the block it starts in (its memory map, or pread), with nothing else in the
+        loop: a batch costs its copies. A range that runs into the next blocks (rare) goes on
+        there (:meth:`_gather_across`).
         """
-        starts = np.asarray(starts, dtype=np.int64).reshape(-1)
-        lengths = np.asarray(lengths, dtype=np.int64).reshape(-1)
-        out_offsets = np.asarray(out_offsets, dtype=np.int64).reshape(-1)
-        flat_out = out.reshape(-1)
-        if out.dtype != self.dtype or not out.flags.c_contiguous:
-            raise ValueError(f"out must be a C-contiguous {self.dtype} array")
-        if not len(starts) == len(lengths) == len(out_offsets):
-            raise ValueError("starts, lengths and out_offsets must have the same length")
-        if starts.size == 0:
-            return out
-        if ((lengths < 0).any() or starts.min() < 0 or int((starts + lengths).max()) > self.num_tokens
-                or out_offsets.min() < 0 or int((out_offsets + lengths).max()) > flat_out.size):
-            raise IndexError(f"a token range outside [0, {self.num_tokens}) or past the end of out")
-        if self._bounded is not None:
-            for start, length, at in zip(starts.tolist(), lengths.tolist(), out_offsets.tolist()):
-                self.read(start, start + length, out=flat_out[at:at + length])
-            return out
-        self._read_ranges(starts, lengths, flat_out, out_offsets)
-        return out
-
-    def _read_ranges(self, starts: np.ndarray, lengths: np.ndarray, flat_out: np.ndarray,
-                     out_offsets: np.ndarray) -> None:
-        """Checked ranges of a local cache into ``flat_out``: one pread per range inside one
-        block, with nothing else in the loop; a range crossing blocks through :meth:`read`."""
         item = self.dtype.itemsize
-        if not lengths.all():  # empty ranges read nothing (and may start at the very end)
-            keep = lengths > 0
-            starts, lengths, out_offsets = starts[keep], lengths[keep], out_offsets[keep]
-        blocks = np.searchsorted(self._token_starts, starts, side="right") - 1
-        inside = starts + lengths <= self._token_starts[blocks + 1]
-        if not inside.all():  # rare: ranges crossing a block boundary
-            for k in np.flatnonzero(~inside).tolist():
-                start, length, at = int(starts[k]), int(lengths[k]), int(out_offsets[k])
-                self.read(start, start + length, out=flat_out[at:at + length])
-            starts, lengths, out_offsets, blocks = (
-                starts[inside], lengths[inside], out_offsets[inside], blocks[inside])
-        view = memoryview(flat_out.view(np.uint8))
-        opened, use_map = self._open, not in_prefetch_thread()
-        for b, start, size, at in zip(blocks.tolist(), starts.tolist(), (lengths * item).tolist(),
-                                      (out_offsets * item).tolist()):
-            block = opened.get(b) or self._open_block(b)
+        if isinstance(lengths, int):
+            if self._bounded is not None:
+                if at is None:
+                    at = np.arange(len(starts), dtype=np.int64) * lengths
+                lengths = np.full(len(starts), lengths, dtype=np.int64)
+            else:  # equal rows (the usual batch): no per-range arrays
+                item_bytes = lengths * item
+                sizes: Iterable[int] = itertools.repeat(item_bytes)
+                dests: Iterable[int] = (range(0, len(starts) * item_bytes, item_bytes) if at is None
+                                        else (at * item).tolist())
+        if at is None and not isinstance(lengths, int):
+            at = np.cumsum(lengths) - lengths
+        if not isinstance(lengths, int) and not lengths.all():  # empty ranges read nothing
+            keep = lengths > 0  # (and may start at the very end of the stream)
+            starts, lengths, at = starts[keep], lengths[keep], at[keep]
+        if self._bounded is not None:
+            self._bounded.read_ranges(self._table, self.dtype, starts, lengths, out, at)
+            return
+        if not isinstance(lengths, int):
+            sizes, dests = (lengths * item).tolist(), (at * item).tolist()
+        self._copy(starts, sizes, dests, memoryview(out.reshape(-1).view(np.uint8)))
+
+    def _copy(self, starts: np.ndarray, sizes: Iterable[int], dests: Iterable[int],
+              view: memoryview) -> None:
+        """Copy range ``k`` (token ``starts[k]``, ``sizes[k]`` bytes) to byte ``dests[k]`` of
+        ``view`` (lock held): one copy out of the block it starts in (:func:`_copy_ranges`)."""
+        blocks = self._token_starts.searchsorted(starts, side="right") - 1
+        _copy_ranges(itertools.repeat(self), blocks.tolist(), starts.tolist(), sizes, dests, view,
+                     self.dtype.itemsize)
+
+    def _gather_across(self, b: int, position: int, dest: memoryview) -> None:
+        """The rest of :meth:`_gather` for one range that starts in block b (at byte
+        ``position`` of the global stream) and runs into the next blocks: a copy per block."""
+        done = 0
+        while done < len(dest):
+            block = self._open.get(b) or self._open_block(b)
             block.used = True
-            block.read_into(view[at:at + size], block.base + start * item, use_map)
+            offset = block.base + position + done
+            count = min(len(dest) - done, block.data_end - offset)
+            part = dest[done:done + count]
+            if block.map is not None:
+                block.copy(part, block.map, offset)
+            else:
+                fmt.read_into(block.fd, part, offset, block.path, _TRUNCATED, "block file")
+            done += count
+            b += 1
 
     # ------------------------------------------------------------ remote caches under a limit
     @_locked
@@ -720,10 +778,11 @@ class TokenCache:
 
         ``order``: a :class:`torchcache.read.remote_reads.ReadOrder` (an endless order, e.g. a
         sampler's), or the token starts of the next reads (an array) with their ``length`` in
-        tokens; None forgets the plan (eviction is then least recently used). A
-        :class:`torchcache.DistributedSampler` over a :class:`torchcache.TokenDataset` plans for
-        you (``ds.follow_sampler(sampler)``); the plan travels with the cache into DataLoader
-        workers.
+        tokens; None forgets the plan (eviction is then least recently used). Giving the order
+        already planned changes nothing. :class:`torchcache.DataLoader` plans a
+        :class:`torchcache.TokenDataset`'s reads in its sampler's order when it starts
+        iterating (:meth:`torchcache.TokenDataset.plan_reads`); the plan travels with the cache
+        into DataLoader workers.
 
         >>> cache.plan_reads(np.array([4096, 0, 8192]) * 2048, length=2049)  # doctest: +SKIP
         >>> rows = cache.read_many(np.array([4096, 0, 8192]) * 2048, 2049)  # doctest: +SKIP
@@ -762,7 +821,8 @@ class TokenCache:
         if self._source.stats is not None:
             totals = self._source.stats.totals()
         totals["hit_rate"] = None
-        totals["local_bytes"] = tree_bytes(self.root) if self._remote is not None else 0
+        totals["local_bytes"] = (tree_bytes(self.root, skip=(STATS_DIR,))
+                                 if self._remote is not None else 0)
         totals["cache_limit"] = None
         return totals
 
@@ -934,3 +994,128 @@ class TokenCache:
         'The Project Gutenberg eBook of Pride and Prejudice'
         """
         return self.tokenizer().decode([int(x) for x in ids], skip_special_tokens=skip_special_tokens)
+
+
+def _copy_ranges(caches: Iterable[TokenCache], blocks: Iterable[int], starts: Iterable[int],
+                 sizes: Iterable[int], dests: Iterable[int], view: memoryview, item: int) -> None:
+    """The copy loop every read ends in (locks held): range ``k`` of ``caches[k]`` starts at
+    token ``starts[k]`` in its block ``blocks[k]``; its ``sizes[k]`` bytes go to byte
+    ``dests[k]`` of ``view``, in one copy out of that block's memory map (or one pread)."""
+    for cache, b, start, size, dest in zip(caches, blocks, starts, sizes, dests):
+        block = cache._open.get(b) or cache._open_block(b)
+        block.used = True
+        offset = block.base + start * item
+        end = dest + size
+        m = block.map
+        if offset + size > block.data_end:  # runs into the next block
+            cache._gather_across(b, start * item, view[dest:end])
+        elif m is not None:  # the hot path: one copy out of the map
+            block.copy(view[dest:end], m, offset)
+        else:  # one pread, almost always whole; read_into finishes (or names) a short one
+            part = view[dest:end]
+            try:
+                got = os.preadv(block.fd, (part,), offset)
+            except OSError:
+                got = 0
+            if got != size:
+                fmt.read_into(block.fd, part[got:], offset + got, block.path, _TRUNCATED, "block file")
+
+
+#: id()s of a list of caches -> (the caches, their block counts, the layout of their blocks one
+#: after the other: cache k's block b is combined block first[k] + b, starting at token
+#: bases[k] + its start); remade when a cache grows
+_LAYOUTS: dict[tuple[int, ...], tuple[tuple[TokenCache, ...], tuple[int, ...], np.ndarray,
+                                       np.ndarray, list[int], list[int]]] = {}
+_MAX_LAYOUTS = 8
+
+
+def _layout(caches: list[TokenCache]) -> tuple[np.ndarray, np.ndarray, list[int], list[int]]:
+    """(bases, combined block starts, owner cache of each combined block, first combined block
+    of each cache) of ``caches``' blocks laid one after the other."""
+    key = tuple(map(id, caches))
+    counts = tuple(c.num_blocks for c in caches)
+    found = _LAYOUTS.get(key)
+    if found is not None and found[1] == counts and all(a is b for a, b in zip(found[0], caches)):
+        return found[2:]
+    bases = np.cumsum([0] + [c.num_tokens for c in caches[:-1]], dtype=np.int64)
+    combined = np.concatenate([c._token_starts[:-1] + base for c, base in zip(caches, bases)])
+    owners = [k for k, n in enumerate(counts) for _ in range(n)]
+    first = np.cumsum((0,) + counts[:-1]).tolist()
+    if len(_LAYOUTS) >= _MAX_LAYOUTS:
+        _LAYOUTS.clear()
+    _LAYOUTS[key] = (tuple(caches), counts, bases, combined, owners, first)
+    return bases, combined, owners, first
+
+
+def _rows_out(out: np.ndarray | None, rows: int, length: int, dtype: np.dtype) -> np.ndarray:
+    """``out`` checked as a C-contiguous (rows, length) array of ``dtype``, or a new one."""
+    if out is None:
+        return np.empty((rows, max(length, 0)), dtype=dtype)
+    if out.shape != (rows, length) or out.dtype != dtype or not out.flags.c_contiguous:
+        raise ValueError(f"out must be a C-contiguous {dtype} array of shape ({rows}, {length})")
+    return out
+
+
+def gather_rows(caches: Sequence[TokenCache], which: Any, starts: Any, length: int,
+                out: np.ndarray | None = None) -> np.ndarray:
+    """Rows of ``length`` tokens from several caches of one dtype, in one array: row ``i`` =
+    tokens ``[starts[i], starts[i] + length)`` of ``caches[which[i]]``.
+
+    :meth:`TokenCache.read_many` over several caches, in one call for the whole batch: how a
+    mixture of token datasets reads its batch (see the TokenCache example).
+    """
+    dtype = caches[0].dtype if len(caches) else None
+    for cache in caches:
+        if not isinstance(cache, TokenCache) or cache.dtype != dtype:
+            raise TypeError("caches must be a non-empty sequence of TokenCache of one token "
+                            f"dtype (their rows share one array), got {list(caches)!r}")
+    if dtype is None:
+        raise TypeError("caches must be a non-empty sequence of TokenCache")
+    which = index_array(which, "which").reshape(-1)
+    starts = index_array(starts, "starts").reshape(-1)
+    length = int_arg(length, "length")
+    if len(which) != len(starts):
+        raise ValueError(f"which and starts must have one entry per row, got {len(which)} and "
+                         f"{len(starts)}")
+    out = _rows_out(out, len(starts), length, dtype)
+    if not starts.size or not length:
+        return out
+    if int(which.view(np.uint64).max()) >= len(caches):
+        raise IndexError(f"which must be in [0, {len(caches)}) (an index into caches)")
+    item = dtype.itemsize
+    size = length * item
+    view = memoryview(out.reshape(-1).view(np.uint8))
+    # one check for the whole batch where every row fits the smallest cache (negatives are huge)
+    if int(starts.view(np.uint64).max()) > min(c.num_tokens for c in caches) - length:
+        for k, cache in enumerate(caches):
+            part = starts[which == k]
+            if part.size and int(part.view(np.uint64).max()) > cache.num_tokens - length:
+                first = int(part[(part < 0) | (part > cache.num_tokens - length)][0])
+                raise IndexError(f"token range [{first}, {first + length}) outside [0, "
+                                 f"{cache.num_tokens}) of {cache.url}")
+    if any(c._bounded is not None for c in caches):  # remote caches under a limit: per cache
+        for k, cache in enumerate(caches):
+            where = np.flatnonzero(which == k)
+            if where.size:
+                with cache._lock:
+                    cache._gather(starts[where], np.full(where.size, length, dtype=np.int64), out,
+                                  where * length)
+        return out
+    bases, combined, owners, first = _layout(caches)
+    blocks = (combined.searchsorted(starts + bases[which], side="right") - 1).tolist()
+    held = []
+    try:
+        for cache in caches:
+            cache._lock.acquire()
+            held.append(cache)
+        _copy_ranges([caches[owners[g]] for g in blocks], [g - first[owners[g]] for g in blocks],
+                     starts.tolist(), itertools.repeat(size), range(0, len(starts) * size, size),
+                     view, item)
+    finally:
+        for cache in held:
+            try:
+                if cache._doomed:
+                    cache._close_doomed()
+            finally:
+                cache._lock.release()
+    return out

@@ -30,21 +30,7 @@ from .local_copies import (SessionStats, copy_name, discard_copy, fetch_verified
 from ..format.storage import TMP_MARK, LocalStorage, RemoteStorage, Storage, is_remote, open_storage
 
 __all__ = ["CacheFiles", "check_block_file", "load_keys", "load_offsets", "locate_cache",
-           "max_file_sizes", "named_map_copy", "offsets_max_size", "pread_fully"]
-
-
-def pread_fully(fd: int, dest: memoryview, offset: int, path: str, fix: str) -> None:
-    """Fill ``dest`` with the file's bytes from ``offset``; errors name ``path``, and a file
-    that ends too soon is a CacheFormatError ending with ``fix`` (what the user should do)."""
-    got = 0
-    while got < len(dest):
-        try:
-            n = os.preadv(fd, [dest[got:] if got else dest], offset + got)
-        except OSError as e:
-            raise OSError(e.errno, f"{path}: {e.strerror}") from e
-        if n == 0:
-            raise CacheFormatError(f"{path}: unexpected end of block file (truncated?); {fix}")
-        got += n
+           "named_map_copy", "offsets_max_size"]
 
 
 def _copy_from_map(dest: memoryview, source: mmap.mmap, offset: int) -> None:
@@ -179,13 +165,13 @@ def _check_size(fd: int, path: str, max_size: int | None) -> None:
 
 
 def offsets_max_size(num_documents: int) -> int:
-    """The largest the offsets sidecar of a block of ``num_documents`` documents can be."""
+    """The largest the offsets sidecar of a block of ``num_documents`` documents can be: its
+    safetensors header (capped) and one int64 start per document, plus the end.
+
+    >>> offsets_max_size(0) - offsets_max_size(1)
+    -8
+    """
     return 8 + fmt.MAX_HEADER_BYTES + 8 * (num_documents + 1)
-
-
-def max_file_sizes(entry: dict[str, Any]) -> tuple[int, int, int]:
-    """The largest a block entry's block, offsets and keys files can be."""
-    return entry["size"], offsets_max_size(entry["num_documents"]), fmt.MAX_KEYS_BYTES
 
 
 def _check_checksum(fd: int, path: str, checksum: str) -> None:

@@ -14,6 +14,9 @@ The copy directory (``local_dir/<fingerprint>``) holds::
     blocks/NAME.SHA256.remote-ID                  (empty) the remote file's version ID (hashed)
                                                   was downloaded whole and matched the checksum
     .copies.lock                                  the directory lock (accounting and eviction)
+    .stats/SESSION/PID.bin                        a reading session's counters, one file per
+                                                  process (see SessionStats; not copies: outside
+                                                  the limit, removed when the session ends)
 
 Rules, each kept with flock (a process that dies releases what it held, so nothing is stuck):
 
@@ -48,7 +51,6 @@ import re
 import shutil
 import stat
 import struct
-import tempfile
 import threading
 import time
 import uuid
@@ -61,7 +63,7 @@ from ..format import blocks as fmt
 from ..errors import CacheFormatError
 from ..format.storage import BLOCK_DIR, TMP_MARK, ObjectChangedError, PinnedObject, RemoteStorage
 
-__all__ = ["LocalCopies", "Reservation", "Resident", "SessionStats", "STAT_FIELDS", "copy_name",
+__all__ = ["LocalCopies", "Reservation", "Resident", "SessionStats", "STAT_FIELDS", "STATS_DIR", "copy_name",
            "discard_copy", "fetch_verified", "mark_verified", "parse_size", "pin_verified",
            "read_pinned", "tree_bytes", "trusted_copy"]
 
@@ -81,11 +83,13 @@ for _i, _p in enumerate("kmgtpe", start=1):
 _SIZE = re.compile(r"\s*([0-9]+(?:\.[0-9]*)?|\.[0-9]+)\s*([A-Za-z]*)\s*")
 
 
-def tree_bytes(root: str) -> int:
+def tree_bytes(root: str, skip: tuple[str, ...] = ()) -> int:
     """Apparent size of the files under ``root``, each counted once (a file renamed while the
-    tree is walked may be listed under both names)."""
+    tree is walked may be listed under both names), leaving out the top-level folders ``skip``."""
     seen, total = set(), 0
-    for folder, _, names in os.walk(root):
+    for folder, subfolders, names in os.walk(root):
+        if folder == root:
+            subfolders[:] = [f for f in subfolders if f not in skip]
         for name in names:
             try:
                 st = os.lstat(os.path.join(folder, name))
@@ -367,40 +371,88 @@ STAT_FIELDS = ("bytes_downloaded", "whole_block_downloads", "whole_block_bytes",
 _STATS_FORMAT = struct.Struct(f"<{len(STAT_FIELDS)}q")
 
 
-def _remove_session(path: str, owner: int) -> None:
+STATS_DIR = ".stats"  # where a copy directory keeps its reading sessions' counters
+_OWNER_LOCK = "owner.lock"  # held (flock) by a session's first process while the session lives
+
+
+def _remove_session(path: str, owner: int, lock_fd: int) -> None:
     if os.getpid() == owner:  # never from a forked DataLoader worker
         shutil.rmtree(path, ignore_errors=True)
+        with contextlib.suppress(OSError):
+            os.close(lock_fd)
+
+
+def _remove_ended_sessions(folder: str) -> None:
+    """Delete the sessions under ``folder`` whose first process is gone (killed before it could
+    remove them): their owner lock is free."""
+    try:
+        sessions = os.listdir(folder)
+    except OSError:
+        return
+    for session in sessions:
+        path = os.path.join(folder, session)
+        try:
+            fd = os.open(os.path.join(path, _OWNER_LOCK), os.O_RDONLY | os.O_CLOEXEC)
+        except OSError:  # no lock yet (being made) or not a session: leave it
+            continue
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:  # alive
+            continue
+        else:
+            shutil.rmtree(path, ignore_errors=True)
+        finally:
+            os.close(fd)
 
 
 class SessionStats:
     """Counters of one reading session: a TokenCache and its copies in DataLoader workers.
 
     Each process adds to its own counters and writes them (one ``pwrite``) to its own small file
-    under ``$TMPDIR/torchcache-stats/<session>/``; :meth:`totals` sums the files, so the numbers
-    include what worker processes did, even after they exited. The process that created the
-    session removes its files when the session object is collected. Safe to use from threads.
+    under ``folder/<session>/`` (a remote cache's copy directory: ``.stats``, never ``$TMPDIR``);
+    :meth:`totals` sums the files, so the numbers include what worker processes did, even after
+    they exited. The process that created the session removes its files when the session object
+    is collected, and deletes the sessions of processes that died without doing so. With
+    ``folder=None`` (or a folder that cannot be written) the counters stay in memory: this
+    process's only. Safe to use from threads.
 
-    >>> stats = SessionStats()
-    >>> stats.add("hits", 3); stats.totals()["hits"]
-    3
+    >>> stats = SessionStats(None)
+    >>> stats.add("hits", 3); stats.add_many({"hits": 1, "misses": 2})
+    >>> stats.totals()["hits"], stats.totals()["misses"]
+    (4, 2)
     """
 
-    def __init__(self, session: str | None = None):
+    def __init__(self, folder: str | None, session: str | None = None):
+        self.parent = folder
         self.session = session or uuid.uuid4().hex
-        self.folder = os.path.join(tempfile.gettempdir(), "torchcache-stats", self.session)
-        if session is None:
-            weakref.finalize(self, _remove_session, self.folder, os.getpid())
+        self.folder = None if folder is None else os.path.join(folder, self.session)
+        if session is None and self.folder is not None:
+            self._start_session()
         self._lock = threading.Lock()
         self._pid = -1
         self._fd = -1
         self._counts = [0] * len(STAT_FIELDS)
         self._index = {name: i for i, name in enumerate(STAT_FIELDS)}
 
+    def _start_session(self) -> None:
+        """Make the session's folder, holding its owner lock; clear ended sessions."""
+        try:
+            _remove_ended_sessions(self.parent)
+            os.makedirs(self.folder)
+            making = os.path.join(self.folder, _OWNER_LOCK + ".new")
+            fd = os.open(making, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+            fcntl.flock(fd, fcntl.LOCK_EX)  # locked before the name others look for exists
+            os.rename(making, os.path.join(self.folder, _OWNER_LOCK))
+        except OSError:  # a folder we cannot write: counters in memory only
+            self.folder = None
+            return
+        weakref.finalize(self, _remove_session, self.folder, os.getpid(), fd)
+
     def __getstate__(self) -> dict[str, Any]:
-        return {"session": self.session}
+        return {"parent": self.parent, "session": self.session}
 
     def __setstate__(self, state: dict[str, Any]) -> None:
-        self.__init__(state["session"])
+        self.__init__(state["parent"], state["session"])
 
     def _check_process(self) -> None:
         if self._pid != os.getpid():  # a new process (fork): its own counters, its own file
@@ -424,13 +476,15 @@ class SessionStats:
         """Write this process's counters to its file (cheap: one pwrite)."""
         with self._lock:
             self._check_process()
-            if self._fd < 0:
+            if self._fd < 0 and self.folder is not None:
                 try:
                     os.makedirs(self.folder, exist_ok=True)
                     self._fd = os.open(os.path.join(self.folder, f"{self._pid}.bin"),
                                        os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
                 except OSError:
                     return  # counters stay in memory; totals() still sees this process's
+            if self._fd < 0:
+                return
             try:
                 os.pwrite(self._fd, _STATS_FORMAT.pack(*self._counts), 0)
             except OSError:
@@ -440,15 +494,17 @@ class SessionStats:
         """The counters summed over every process of the session."""
         self.flush()
         total = [0] * len(STAT_FIELDS)
-        mine = os.path.join(self.folder, f"{os.getpid()}.bin")
+        mine = f"{os.getpid()}.bin"
         seen_mine = False
         try:
-            names = os.listdir(self.folder)
+            names = os.listdir(self.folder) if self.folder is not None else []
         except FileNotFoundError:
             names = []
         for name in names:
+            if not name.endswith(".bin"):
+                continue
             path = os.path.join(self.folder, name)
-            seen_mine |= path == mine
+            seen_mine |= name == mine
             try:
                 with open(path, "rb") as f:
                     data = f.read(_STATS_FORMAT.size)

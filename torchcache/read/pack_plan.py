@@ -28,8 +28,9 @@ from typing import Any, Callable, Iterable
 
 import numpy as np
 
-from ..format import blocks as fmt
+from .._util import hooks
 from .._util.procs import Child, start_child
+from ..format import blocks as fmt
 from ..errors import CacheFormatError
 from ..order.packing import PACKING_ALGORITHM, BlockPack, pack_block
 from .cache import TokenCache
@@ -47,15 +48,10 @@ HEADER = np.dtype([("magic", "S8"), ("first_block", "<u8"), ("blocks", "<u8"), (
 BLOCK_RECORD = np.dtype([("rows", "<i8"), ("segments", "<i8"), ("padding", "<i8"),
                          ("dropped_documents", "<i8"), ("dropped_tokens", "<i8"),
                          ("split_documents", "<i8"), ("offsets_sha256", "V32")])
-def _tokens_per_child() -> int:
-    """Below this much work per process, starting one costs more than it saves (tests lower it)."""
-    return int(os.environ.get("TORCHCACHE_TEST_PACK_TOKENS_PER_CHILD", str(2 ** 26)))
-
-
+CHUNK_BLOCKS = 256  # blocks per chunk file of a new plan
+TOKENS_PER_CHILD = 2 ** 26  # below this much work per process, starting one costs more than it saves
 SEGMENT_BYTES = 8 + 4 + 1  # start (int64), length (int32), continues (uint8)
 _COUNTS = ("padding", "dropped_documents", "dropped_tokens", "split_documents")
-
-
 
 
 @dataclass(frozen=True)
@@ -68,7 +64,7 @@ class PlanIdentity:
     max_segments: int | None
     seed: int
     algorithm: str = PACKING_ALGORITHM
-    chunk_blocks: int = 256
+    chunk_blocks: int = CHUNK_BLOCKS
 
     def as_json(self) -> dict[str, Any]:
         return {"format": PLAN_FORMAT, "version": PLAN_VERSION, **asdict(self)}
@@ -90,8 +86,8 @@ class PlanIdentity:
 def plan_identity(cache_fingerprint: str, seq_len: int, long_docs: str, max_segments: int | None,
                   seed: int) -> PlanIdentity:
     """The identity of a plan with the current algorithm and chunk size (tests may set a small
-    chunk size through TORCHCACHE_TEST_PACK_CHUNK_BLOCKS to exercise many chunks)."""
-    chunk_blocks = int(os.environ.get("TORCHCACHE_TEST_PACK_CHUNK_BLOCKS", "256"))
+    chunk size through `hooks.pack_chunk_blocks` to exercise many chunks)."""
+    chunk_blocks = hooks.pack_chunk_blocks or CHUNK_BLOCKS
     if max_segments is not None and max_segments >= seq_len:
         max_segments = None  # no cap: one plan, whichever way it is said
     return PlanIdentity(cache_fingerprint, seq_len, long_docs, max_segments, seed,
@@ -211,7 +207,9 @@ class _Chunk:
         table = cls.read_table(path, identity, first_block, blocks)
         rows, segments = int(table["rows"].sum()), int(table["segments"].sum())
         offset = HEADER.itemsize + blocks * BLOCK_RECORD.itemsize
-        whole = np.memmap(path, dtype=np.uint8, mode="r")  # one mapping; the arrays are views
+        # one mapping; the arrays are plain ndarray views of it (indexing a memmap subclass
+        # costs microseconds per call, a batch makes a dozen such calls)
+        whole = np.asarray(np.memmap(path, dtype=np.uint8, mode="r"))
 
         def part(dtype: str, count: int, at: int) -> np.ndarray:
             return whole[at:at + count * np.dtype(dtype).itemsize].view(dtype)
@@ -319,6 +317,8 @@ class PackPlan:
         checked = np.zeros(self.blocks, dtype=bool)
         checked[:min(len(self._checked), self.blocks)] = self._checked[:self.blocks]
         self._checked = checked
+        self._all_checked = bool(checked.all())  # then a batch skips the test
+        self._one_chunk = len(self._chunks) + (self._tail_chunk is not None) <= 1  # rows all in chunk 0
 
     def _plan_tail(self, first: int, last: int, progress) -> None:
         have = first + len(self._tail)
@@ -368,8 +368,9 @@ class PackPlan:
         ident = self.identity
         starts = self.cache.block_token_starts()
         tokens = sum(int(starts[b + 1] - starts[b]) for b in blocks)
+        per_child = hooks.pack_tokens_per_child or TOKENS_PER_CHILD
         if (self._workers > 1 and len(blocks) >= 2 * self._workers
-                and tokens >= _tokens_per_child() * self._workers and self.cache.url == self.cache.root):
+                and tokens >= per_child * self._workers and self.cache.url == self.cache.root):
             if self._planners is None:
                 self._planners = _Planners(self.cache.root, ident, self._workers)
             return self._planners.compute(blocks, progress)
@@ -399,40 +400,79 @@ class PackPlan:
         return np.searchsorted(self.row_starts, rows, side="right") - 1
 
     def segments(self, rows: np.ndarray) -> RowSegments:
-        """The segments of rows ``rows`` (checked positions), in row order then stream order."""
+        """The segments of rows ``rows`` (checked positions), in row order then stream order.
+
+        A batch's rows nearly always lie in one chunk (one for a cache of up to ``chunk_blocks``
+        blocks): a few whole-batch numpy operations then. Rows in several chunks are read row
+        by row, each a slice of its chunk's segments.
+        """
+        rows = np.asarray(rows, dtype=np.int64)
         with self._lock:
-            blocks = self.block_of_rows(rows)
-            K = self.identity.chunk_blocks
-            chunks = blocks // K
-            token_starts = self.cache.block_token_starts()
-            lo = np.empty(len(rows), dtype=np.int64)
-            hi = np.empty(len(rows), dtype=np.int64)
-            parts = {}
-            for c in np.unique(chunks).tolist():
-                chunk = parts[c] = self._chunk(c)
-                mine = chunks == c
-                for b in np.unique(blocks[mine]).tolist():
-                    if not self._checked[b]:
-                        self._check_block(chunk, b - chunk.first_block, b)
-                local = rows[mine] - self.row_starts[c * K]
-                ends = chunk.row_ends
-                hi[mine] = ends[local]
-                lo[mine] = np.where(local > 0, ends[np.maximum(local - 1, 0)], 0)
-            count = hi - lo
-            row = np.repeat(np.arange(len(rows)), count)
-            within = np.arange(int(count.sum())) - np.repeat(np.cumsum(count) - count, count)
-            seg = lo[row] + within
-            start = np.empty(len(seg), dtype=np.int64)
-            length = np.empty(len(seg), dtype=np.int64)
-            continues = np.empty(len(seg), dtype=bool)
-            seg_chunk = chunks[row]
-            for c, chunk in parts.items():
-                mine = seg_chunk == c
-                idx = seg[mine]
-                start[mine] = chunk.seg_start[idx] + token_starts[blocks[row[mine]]]
-                length[mine] = chunk.seg_len[idx]
-                continues[mine] = chunk.seg_flags[idx] != 0
-            return RowSegments(row=row, start=start, length=length, continues=continues, count=count)
+            blocks = self.row_starts.searchsorted(rows, side="right")
+            blocks -= 1
+            if not self._all_checked and not np.logical_and.reduce(self._checked[blocks]):
+                self._check_blocks(blocks)
+            if self._one_chunk and len(rows):
+                return self._one_chunk_segments(rows, blocks, 0)
+            chunks = blocks // self.identity.chunk_blocks
+            if len(rows) and np.logical_and.reduce(chunks == chunks[0]):  # the usual batch: one chunk
+                return self._one_chunk_segments(rows, blocks, int(chunks[0]))
+            return self._segments_by_row(rows, blocks, chunks)
+
+    def _check_blocks(self, blocks: np.ndarray) -> None:
+        """Check, in block order, the blocks of ``blocks`` not checked in this process yet."""
+        K = self.identity.chunk_blocks
+        for b in np.unique(blocks[~self._checked[blocks]]).tolist():
+            chunk = self._chunk(b // K)
+            self._check_block(chunk, b - chunk.first_block, b)
+        self._all_checked = bool(self._checked.all())
+
+    def _one_chunk_segments(self, rows: np.ndarray, blocks: np.ndarray, c: int) -> RowSegments:
+        chunk = self._chunk(c)
+        local = rows - self.row_starts[c * self.identity.chunk_blocks]
+        ends = chunk.row_ends
+        hi = ends[local]
+        lo = ends[local - 1]  # row -1 (the chunk's last) where local is 0: zeroed next
+        lo[local == 0] = 0
+        count = hi - lo
+        row = np.arange(len(rows))
+        block_starts = self.cache.block_token_starts()[blocks]
+        if int(np.add.reduce(count)) == len(rows):  # one segment each (a row has at least one)
+            seg = lo
+        else:
+            first = np.cumsum(count)
+            first -= count
+            row = row.repeat(count)
+            seg = np.arange(len(row))
+            seg += (lo - first)[row]
+            block_starts = block_starts[row]
+        start = chunk.seg_start[seg]
+        start += block_starts
+        return RowSegments(row=row, start=start, length=chunk.seg_len[seg].astype(np.int64),
+                           continues=chunk.seg_flags[seg].astype(bool), count=count)
+
+    def _segments_by_row(self, rows: np.ndarray, blocks: np.ndarray, chunks: np.ndarray) -> RowSegments:
+        K = self.identity.chunk_blocks
+        token_starts = self.cache.block_token_starts()
+        starts, lengths, flags, counts = [], [], [], []
+        for r, b, c in zip(rows.tolist(), blocks.tolist(), chunks.tolist()):
+            chunk = self._chunk(c)
+            local = r - int(self.row_starts[c * K])
+            lo = int(chunk.row_ends[local - 1]) if local else 0
+            hi = int(chunk.row_ends[local])
+            starts.append(chunk.seg_start[lo:hi] + token_starts[b])
+            lengths.append(chunk.seg_len[lo:hi])
+            flags.append(chunk.seg_flags[lo:hi])
+            counts.append(hi - lo)
+        count = np.array(counts, dtype=np.int64)
+        if not counts:
+            empty = np.empty(0, dtype=np.int64)
+            return RowSegments(row=empty, start=empty, length=empty.copy(),
+                               continues=np.empty(0, dtype=bool), count=count)
+        return RowSegments(row=np.arange(len(counts)).repeat(count),
+                           start=np.concatenate(starts).astype(np.int64, copy=False),
+                           length=np.concatenate(lengths).astype(np.int64),
+                           continues=np.concatenate(flags).astype(bool), count=count)
 
     def _check_block(self, chunk: _Chunk, local: int, b: int) -> None:
         """Check block b's rows once per process, against the block's document offsets: every

@@ -1,14 +1,11 @@
 """Reading a DataLoader's batches ahead of the training loop, in a thread of the same process.
 
-Two readers, both yielding batches in order and stopping cleanly (``close()``, or when dropped):
-
-- :class:`Prefetcher` runs any iterator of batches in a daemon thread, ``depth`` batches ahead.
-- :class:`BatchReader` is for batches the package makes itself (``get_batch`` of its datasets,
-  which are thread-safe). While the training loop is busy between batches (a GPU step), a thread
-  reads the next batches ahead, as the Prefetcher does. While the loop asks for batches faster
-  than they are read, handing each batch over from a thread costs more than it saves (both
-  threads need the GIL), so the loop's own thread reads the next batch instead. Which thread
-  reads a batch never changes the batch: batch ``k`` is always the ``k``-th claim of indices.
+:class:`BatchReader` yields batches in order and stops cleanly (``close()``, or when dropped).
+While the training loop is busy between batches (a GPU step), a thread reads the next batches
+ahead. While the loop asks for batches faster than they are read, handing each batch over from
+a thread costs more than it saves (both threads need the GIL), so the loop's own thread reads
+the next batch instead. Which thread reads a batch never changes the batch: batch ``k`` is
+always the ``k``-th claim of indices.
 """
 
 from __future__ import annotations
@@ -21,19 +18,12 @@ from typing import Any
 
 import numpy as np
 
-__all__ = ["BatchReader", "Failure", "Prefetcher", "in_prefetch_thread"]
+__all__ = ["BatchReader", "batch_indices"]
 
 _THREAD_NAME = "torchcache-prefetch"
-_thread_role = threading.local()
 
 
-def in_prefetch_thread() -> bool:
-    """True in a reader's thread. Reads made there should release the GIL (pread rather than a
-    copy from a memory map), so they take little from the training loop running beside them."""
-    return getattr(_thread_role, "prefetch", False)
-
-
-class Failure:
+class _Failure:
     """An exception raised while reading a batch, on its way to the training loop."""
 
     def __init__(self, error: BaseException) -> None:
@@ -62,100 +52,7 @@ def _wait(cond: threading.Condition, ready: Callable[[], bool], timeout: float,
                 raise RuntimeError(f"DataLoader timed out after {timeout} seconds")
 
 
-class _Threaded:
-    """A reader with a thread: ``close()`` (or dropping it) stops the thread and drops what it
-    read ahead. Subclasses set ``_state`` (with ``cond``, ``stop`` and ``drop()``) and ``_thread``."""
-
-    _state: Any
-    _thread: threading.Thread
-
-    def close(self, timeout: float = 5.0) -> None:
-        """Stop the thread and drop the batches it read ahead."""
-        state = self._state
-        with state.cond:
-            state.stop = True
-            state.drop()
-        if self._thread is not threading.current_thread():
-            self._thread.join(timeout)
-
-    def __del__(self) -> None:
-        try:
-            self.close(timeout=1.0)
-        except Exception:
-            pass
-
-
-# ---------------------------------------------------------------- any batches, in a thread
-
-class _PrefetchState:
-    """What the Prefetcher's thread shares with it (the thread holds no reference to the
-    Prefetcher itself, so a dropped iterator is collected and stops its thread)."""
-
-    def __init__(self, depth: int) -> None:
-        self.cond = threading.Condition(threading.Lock())
-        self.items: list[Any] = []
-        self.depth = depth
-        self.stop = False
-
-    def drop(self) -> None:
-        self.items.clear()
-        self.cond.notify_all()
-
-
-_END = object()
-
-
-def _prefetch(batches: Iterator[Any], state: _PrefetchState) -> None:
-    _thread_role.prefetch = True
-    try:
-        for batch in batches:
-            with state.cond:
-                while len(state.items) >= state.depth and not state.stop:
-                    state.cond.wait()
-                if state.stop:
-                    return
-                state.items.append(batch)
-                state.cond.notify_all()
-        item: Any = _END
-    except BaseException as e:  # noqa: BLE001 - handed to the consumer, which re-raises it
-        item = Failure(e)
-    with state.cond:
-        state.items.append(item)
-        state.cond.notify_all()
-
-
-class Prefetcher(_Threaded):
-    """Iterates ``batches`` in a daemon thread, at most ``depth`` batches ahead of ``next()``."""
-
-    def __init__(self, batches: Iterator[Any], depth: int, timeout: float = 0) -> None:
-        self._state = _PrefetchState(depth)
-        self._timeout = timeout
-        self._finished = False
-        self._thread = threading.Thread(target=_prefetch, args=(batches, self._state),
-                                        name=_THREAD_NAME, daemon=True)
-        self._thread.start()
-
-    def __iter__(self) -> Prefetcher:
-        return self
-
-    def __next__(self) -> Any:
-        if self._finished:
-            raise StopIteration
-        state = self._state
-        with state.cond:
-            if state.stop:
-                raise _stopped_error()
-            _wait(state.cond, lambda: bool(state.items), self._timeout, self._thread)
-            item = state.items.pop(0)
-            state.cond.notify_all()
-        if item is _END or isinstance(item, Failure):
-            self._finished = True
-            if item is _END:
-                raise StopIteration
-            raise item.error
-        return item
-
-# ---------------------------------------------------------------- the package's own batches
+# ---------------------------------------------------------------- the reader
 
 class _ReaderState:
     """The claims and results a BatchReader shares with its thread."""
@@ -200,6 +97,7 @@ class _ReaderState:
         if index is None:
             if self.end is None:
                 self.end = self.claimed
+            self.work.notify()  # the thread has nothing more to read: it ends
             return None
         k = self.claimed
         self.claimed += 1
@@ -212,7 +110,7 @@ class _ReaderState:
         try:
             item: Any = self.read(index)
         except BaseException as e:  # noqa: BLE001 - handed to the consumer, which re-raises it
-            item = Failure(e)
+            item = _Failure(e)
         spent = self.clock() - start
         self.cond.acquire()
         self.read_s = spent if not self.read_s else 0.8 * self.read_s + 0.2 * spent
@@ -221,7 +119,6 @@ class _ReaderState:
 
 
 def _read_ahead(state: _ReaderState) -> None:
-    _thread_role.prefetch = True
     with state.cond:
         while True:
             while not state.stop and state.end is None and (
@@ -232,7 +129,7 @@ def _read_ahead(state: _ReaderState) -> None:
             try:
                 job = state.claim()
             except BaseException as e:  # noqa: BLE001 - taking indices failed: the loop gets it
-                state.results[state.claimed] = Failure(e)  # in order, as the next batch
+                state.results[state.claimed] = _Failure(e)  # in order, as the next batch
                 state.claimed += 1
                 state.end = state.claimed
                 state.wake_loop()
@@ -242,7 +139,7 @@ def _read_ahead(state: _ReaderState) -> None:
             state.fill(*job)
 
 
-class BatchReader(_Threaded):
+class BatchReader:
     """Batches ``read(take())``, in order: read ahead in a thread while the loop is busy
     between batches, and in the loop's own thread while it waits for them (see the module).
 
@@ -267,6 +164,21 @@ class BatchReader(_Threaded):
                                         daemon=True)
         self._thread.start()
 
+    def close(self, timeout: float = 5.0) -> None:
+        """Stop the thread and drop the batches it read ahead."""
+        state = self._state
+        with state.cond:
+            state.stop = True
+            state.drop()
+        if self._thread is not threading.current_thread():
+            self._thread.join(timeout)
+
+    def __del__(self) -> None:
+        try:
+            self.close(timeout=1.0)
+        except Exception:
+            pass
+
     def __iter__(self) -> BatchReader:
         return self
 
@@ -288,13 +200,13 @@ class BatchReader(_Threaded):
             k = state.wanted
             while k not in state.results:
                 if state.end is not None and k >= state.end:
-                    self._finished = True
+                    self._finish()
                     raise StopIteration
                 if state.claimed == k and not state.claiming:  # nobody reads it: read it here
                     try:
                         job = state.claim()
                     except BaseException:
-                        self._finished = True
+                        self._finish()
                         raise
                     if job is not None:
                         state.fill(*job)
@@ -314,16 +226,32 @@ class BatchReader(_Threaded):
             # competes for the GIL with this thread's return to the loop less often
             if state.ahead and state.claimed - state.wanted <= state.depth // 2:
                 state.work.notify()
-        if isinstance(item, Failure):
-            self._finished = True
+            if isinstance(item, _Failure):
+                self._finish()
+        if isinstance(item, _Failure):
             raise item.error
         self._returned_at = self._clock()
         return item
 
+    def _finish(self) -> None:
+        """No more batches (the end, or an error): the thread stops (lock held)."""
+        self._finished = True
+        self._state.stop = True
+        self._state.drop()
 
-def batch_indices(indices: Any, size: int, drop_last: bool) -> Callable[[], np.ndarray | list | None]:
+
+def batch_indices(indices: Iterator[int], size: int | None,
+                  drop_last: bool) -> Callable[[], np.ndarray | list | int | None]:
     """``take()`` for a BatchReader: the next ``size`` indices of a sampler iterator (an array
-    where the iterator has ``take``), None at the end (or before a short batch with drop_last)."""
+    where the iterator has ``take``), None at the end (or before a short batch with drop_last).
+    ``size=None`` (no batching): the next index itself.
+
+    >>> take = batch_indices(iter(range(5)), 2, drop_last=True)
+    >>> take(), take(), take()
+    ([0, 1], [2, 3], None)
+    """
+    if size is None:
+        return lambda: next(indices, None)
     take = getattr(indices, "take", None)
 
     def next_batch() -> Any:

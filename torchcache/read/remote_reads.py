@@ -4,8 +4,14 @@
 the local copy of its block when there is one (pread, as for a local cache); otherwise by a
 ranged request for just its bytes, or by copying the whole block first when the block is worth
 keeping. What is worth keeping comes from the *read plan*: the order in which this process will
-read (a :class:`ReadOrder`; :class:`torchcache.DistributedSampler` gives its rank's order to a
-:class:`torchcache.TokenDataset`, which hands it to the cache), looked at ``lookahead`` reads ahead.
+read (a :class:`ReadOrder`; :class:`torchcache.DataLoader`, when it starts iterating, asks its
+:class:`torchcache.TokenDataset` to plan its sampler's order, see
+:meth:`torchcache.TokenDataset.plan_reads`), looked at ``lookahead`` reads ahead.
+
+A call reads a batch of token ranges (:meth:`BoundedReader.read_ranges`, what every
+:class:`torchcache.TokenCache` read comes down to) block by block: one decision per block (its
+local copy, a copy made now, or ranged requests), and one ranged request per run of touching or
+overlapping ranges inside a block, the requests of a call made in parallel.
 
 Policy (Belady with bypass, over the lookahead window):
 
@@ -32,7 +38,8 @@ sampler moved in the main process (a new ``iter()``, a resume) re-anchors the pl
 
 Read-ahead: after each read the reader looks at its own next ``readahead`` planned reads (in a
 DataLoader worker, the batches torch will send to that worker: every ``num_workers``-th batch,
-up to the end of the loader epoch, where non-persistent workers exit) and starts, on a pool of
+up to the end of the loader epoch, where non-persistent workers exit; the order says how many
+workers take turns, :attr:`ReadOrder.workers`) and starts, on a pool of
 ``fetch_threads`` threads, the block copies the policy admits and ranged reads for the rest, so
 remote requests overlap training.
 
@@ -51,7 +58,6 @@ the session.
 from __future__ import annotations
 
 import os
-import sys
 import threading
 import weakref
 from collections import OrderedDict
@@ -60,13 +66,14 @@ from typing import Any
 
 import numpy as np
 
-from .cache_files import CacheFiles, check_block_file, pread_fully
 from ..errors import CacheFormatError
+from ..format import blocks as fmt
+from ..format.storage import ObjectChangedError, PinnedObject
+from .cache_files import CacheFiles, check_block_file
 from .local_copies import (BUSY, EXISTS, REFUSED, LocalCopies, Resident, SessionStats, copy_name,
                            fetch_verified, pin_verified, read_pinned)
-from ..format.storage import ObjectChangedError, PinnedObject
 
-__all__ = ["ArrayReads", "BoundedReader", "ReadOrder", "SamplerReads"]
+__all__ = ["ArrayReads", "BoundedReader", "ReadOrder", "SamplerReads", "block_pieces"]
 
 _MAX_OPEN_COPIES = 4  # block copies a reader keeps open (and so protected from eviction)
 _MAX_PINS = 1024  # remote block objects a reader keeps pinned (one metadata request each)
@@ -82,10 +89,12 @@ class ReadOrder:
 
     Give one to :meth:`torchcache.TokenCache.plan_reads` to tell a remote cache with a
     ``cache_limit`` what comes next (it fetches ahead and keeps the blocks needed soonest).
-    :class:`torchcache.DistributedSampler` does this by itself for a
-    :class:`torchcache.TokenDataset`; write one for a custom sampler. An order is pickled into
-    DataLoader workers with the cache, so keep it small; each worker finds where it is in the
-    order from the reads it makes.
+    :meth:`torchcache.TokenDataset.plan_reads` gives a sampler's order (a
+    :class:`SamplerReads`); write one for a custom sampler. An order is pickled into DataLoader
+    workers with the cache, so keep it small; each worker finds where it is in the order from
+    the reads it makes. ``workers``: the DataLoader worker processes that take turns reading
+    it, a batch each (0: one process reads every batch), so that each fetches only its own
+    batches ahead.
 
     >>> class EveryTenth(ReadOrder):  # windows 0, 10, 20, ... of 2048 + 1 tokens
     ...     length = 2049
@@ -97,6 +106,7 @@ class ReadOrder:
     """
 
     length: int = 0
+    workers: int = 0
 
     def starts(self, k0: int, k1: int) -> np.ndarray:
         """Token starts (int64) of reads ``k0 .. k1 - 1``; fewer where the order ends."""
@@ -131,19 +141,33 @@ class ArrayReads(ReadOrder):
 class SamplerReads(ReadOrder):
     """The windows a :class:`torchcache.DistributedSampler`'s rank reads from a
     :class:`torchcache.TokenDataset` of ``seq_len``: read ``k`` is global stream position
-    ``first + k * world_size``, the sampler's own index for it, times ``seq_len``.
+    ``first + k * world_size``, the sampler's own index for it, times ``seq_len``; ``workers``
+    DataLoader worker processes take turns reading it (see :class:`ReadOrder`).
 
     It asks the sampler only for pure functions of positions (``indices_for_positions``), so
     the copy in a DataLoader worker computes the same order without talking to the main process.
+    Two orders of the same sampler object, window length and workers are equal.
 
-    >>> sampler = tc.DistributedSampler(ds, seed=0)  # doctest: +SKIP
-    >>> SamplerReads(sampler, ds.seq_len).starts(0, 4)  # doctest: +SKIP
-    array([ 958464, 1257472,   38912, 2146304])
+    >>> import torchcache as tc
+    >>> sampler = tc.DistributedSampler(range(100), 2, 1, seed=0)  # rank 1 of 2
+    >>> order = SamplerReads(sampler, seq_len=2048)
+    >>> bool((order.starts(0, 4) == sampler.indices_for_positions(np.arange(1, 9, 2)) * 2048).all())
+    True
+    >>> order == SamplerReads(sampler, 2048), order == SamplerReads(sampler, 2048, workers=2)
+    (True, False)
     """
 
-    def __init__(self, sampler: Any, seq_len: int):
+    def __init__(self, sampler: Any, seq_len: int, workers: int = 0):
         self.sampler, self.seq_len, self.length = sampler, int(seq_len), int(seq_len) + 1
+        self.workers = int(workers)
         self._first = sampler.rank
+
+    def __eq__(self, other: object) -> bool:
+        return (isinstance(other, SamplerReads) and other.sampler is self.sampler
+                and (other.seq_len, other.workers) == (self.seq_len, self.workers))
+
+    def __hash__(self) -> int:
+        return hash((id(self.sampler), self.seq_len, self.workers))
 
     def anchor(self) -> tuple[int, Any]:
         sampler = self.sampler
@@ -278,6 +302,28 @@ def _lookup(snapshot: tuple[np.ndarray, np.ndarray, np.ndarray], blocks: np.ndar
     return np.where(hit, first[pos], _NEVER), np.where(hit, counts[pos], 0)
 
 
+def block_pieces(token_starts: np.ndarray, starts: np.ndarray, lengths: np.ndarray
+                 ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """Where token ranges lie in the blocks: (range, block, first, end) of each non-empty piece,
+    range by range in order, ``[first, end)`` counted inside the block (int64 arrays).
+
+    >>> block_pieces(np.array([0, 10, 20, 30]), np.array([5, 12, 0]), np.array([10, 3, 0]))
+    (array([0, 0, 1]), array([0, 1, 1]), array([5, 0, 2]), array([10,  5,  5]))
+    """
+    keep = np.flatnonzero(lengths > 0)
+    s, n = starts[keep], lengths[keep]
+    first_block = np.searchsorted(token_starts, s, side="right") - 1
+    last_block = np.searchsorted(token_starts, s + n - 1, side="right") - 1
+    count = last_block - first_block + 1
+    ranges = np.repeat(keep, count)
+    block = np.repeat(first_block, count) + (np.arange(int(count.sum())) - np.repeat(np.cumsum(count) - count, count))
+    base = token_starts[block]
+    lo = np.maximum(starts[ranges], base)
+    hi = np.minimum(starts[ranges] + lengths[ranges], token_starts[block + 1])
+    full = hi > lo  # (a range crossing an empty block has an empty piece there)
+    return ranges[full], block[full], (lo - base)[full], (hi - base)[full]
+
+
 # ---------------------------------------------------------------- the reader
 
 _READERS: "weakref.WeakSet[BoundedReader]" = weakref.WeakSet()
@@ -287,7 +333,7 @@ class BoundedReader:
     """Reads of one remote cache (in one process) under a ``limit`` on its local copies.
 
     Made by :class:`torchcache.TokenCache` for a remote cache with ``cache_limit``; the cache
-    calls :meth:`read_many` with its current block table.
+    calls :meth:`read_ranges` with its current block table.
     """
 
     def __init__(self, files: CacheFiles, limit: int, itemsize: int, *, fetch_threads: int,
@@ -323,7 +369,6 @@ class BoundedReader:
         self._plan: _Plan | None = None
         self._batch: tuple[int, int] | None = None  # (first read, reads) of the last call
         self._pumped = -1
-        self._workers: int | None = None
         self._reads = 0
         self._refused: dict[int, int] = {}  # block -> read count until which it is not retried
         self._recent: dict[int, list[int]] = {}  # block -> [ranged bytes, read count], for LRU mode
@@ -360,24 +405,20 @@ class BoundedReader:
             self._pool = ThreadPoolExecutor(self.fetch_threads, thread_name_prefix="torchcache-fetch")
         return self._pool
 
-    def _num_workers(self) -> int:
-        """DataLoader workers reading this dataset (0 in the main process)."""
-        if self._workers is None:
-            # torch not imported means no DataLoader worker (and keeps build workers torch-free)
-            data = sys.modules.get("torch.utils.data")
-            info = data.get_worker_info() if data is not None else None
-            self._workers = info.num_workers if info is not None else 0
-        return self._workers
-
     # ------------------------------------------------------------ plan
     def set_order(self, order: ReadOrder | None) -> None:
+        """Plan by ``order`` from now on (None: no plan); the order already planned changes
+        nothing (a loader plans at every ``iter()``)."""
+        if order is not None and order == self.order:
+            return
         self.order = order
         self._plan, self._batch, self._pumped = None, None, -1
         self._rows.clear()
 
-    def _track(self, token_starts: np.ndarray, starts: np.ndarray, length: int
+    def _track(self, token_starts: np.ndarray, starts: np.ndarray, lengths: np.ndarray
                ) -> tuple | None:
-        """Find this call's reads in the plan, move the cursor; the next-use snapshot."""
+        """Find this call's planned reads (ranges of the plan's length) in the plan, move the
+        cursor; the next-use snapshot."""
         if self.order is None:
             return None
         plan = self._plan
@@ -386,51 +427,95 @@ class BoundedReader:
             plan.anchor(token_starts)
             self._rows.clear()
             self._pumped = -1
-        if length != plan.length:
+        planned = starts[lengths == plan.length]
+        if not planned.size:
             return plan.snapshot(token_starts)
         if self.order.anchor()[1] != plan.version:
             plan.anchor(token_starts)  # the reader was moved (a new iter(), resume): look from there
             self._pumped = -1  # (rows fetched ahead stay: they hold the right bytes whatever comes)
-        ks = plan.locate(starts)
+        ks = plan.locate(planned)
         found = ks[ks >= 0]
         if found.size:
             plan.advance(int(found.max()), token_starts)
-            self._batch = (int(found.min()), len(starts))
+            self._batch = (int(found.min()), len(planned))
         else:
             self._batch = None
         return plan.snapshot(token_starts)
 
     # ------------------------------------------------------------ reading
-    def read_many(self, table: Any, dtype: np.dtype, starts: np.ndarray, length: int,
-                  out: np.ndarray) -> np.ndarray:
-        """Rows ``out[i]`` = tokens ``[starts[i], starts[i] + length)`` (checked by the caller)."""
-        token_starts = table.token_starts
-        item = dtype.itemsize
-        nbytes = length * item
+    def read_ranges(self, table: Any, dtype: np.dtype, starts: np.ndarray, lengths: np.ndarray,
+                    out: np.ndarray, at: np.ndarray) -> None:
+        """Ranges ``k`` (tokens ``[starts[k], starts[k] + lengths[k])``, checked by the caller)
+        into ``out`` (flat, the cache's dtype) at token offsets ``at[k]``: ranges fetched ahead
+        are waited for, the rest is read block by block, each block once (its local copy, a
+        copy made now if the policy admits it, or ranged requests, in parallel)."""
+        token_starts, item = table.token_starts, dtype.itemsize
         flat = memoryview(out.reshape(-1).view(np.uint8))
         self._reads += len(starts)
-        snapshot = self._track(token_starts, starts, length)
-        hits, waiting, remote = 0, [], []
-        for row, start in enumerate(starts.tolist()):
-            dest = flat[row * nbytes:(row + 1) * nbytes]
-            ahead = self._rows.pop(start, None) if self._rows else None
-            if ahead is not None and ahead[2] == length:
-                waiting.append((dest, ahead[1]))
-            elif self._read_local(table, dtype, start, length, dest):
-                hits += 1
-            else:
-                remote.append((start, dest))
-        if remote:
-            self._read_remote(table, dtype, remote, length, snapshot)
-        for dest, future in waiting:
-            dest[:] = future.result()
+        snapshot = self._track(token_starts, starts, lengths)
+        waiting = []
+        if self._rows:  # ranges fetched ahead: whole reads of the plan
+            lengths = lengths.copy()
+            for k, (start, n, a) in enumerate(zip(starts.tolist(), lengths.tolist(), at.tolist())):
+                ahead = self._rows.pop(start, None)
+                if ahead is not None and ahead[2] == n:
+                    waiting.append((flat[a * item:(a + n) * item], ahead[1]))
+                    lengths[k] = 0  # read: no pieces left
+        ranges, blocks, lo, hi = block_pieces(token_starts, starts, lengths)
+        dest = (at[ranges] + token_starts[blocks] + lo - starts[ranges]) * item
+        missed = np.zeros(len(starts), dtype=bool)  # ranges that needed remote bytes
+        jobs = []
+        order = np.lexsort((lo, blocks))
+        edges = np.flatnonzero(np.diff(blocks[order])) + 1
+        for group in np.split(order, edges) if len(order) else []:
+            b = int(blocks[group[0]])
+            entry = self._copy(table, dtype, b)
+            if entry is None:
+                missed[ranges[group]] = True
+                entry = self._obtain(table, dtype, b, snapshot)
+            if entry is not None:
+                fd, data_start, path = entry
+                for first, end, to in zip(lo[group].tolist(), hi[group].tolist(), dest[group].tolist()):
+                    _pread_fully(fd, flat[to:to + (end - first) * item], data_start + first * item, path)
+                continue
+            jobs.extend(self._ranged_jobs(table, item, b, lo[group], hi[group], dest[group], flat))
+        if len(jobs) == 1:
+            (key, a, z), targets = jobs[0]
+            _scatter(self._fetch_parts([(key, a, z)]), targets)
+        elif jobs:
+            pool = self._executor()
+            futures = [(pool.submit(self._fetch_parts, [where]), targets) for where, targets in jobs]
+            for future, targets in futures:
+                _scatter(future.result(), targets)
+        for target, future in waiting:
+            target[:] = future.result()
         if snapshot is not None and self._fds:
             self._release_unneeded(snapshot)
         self._pump(table, dtype, snapshot)
-        self.stats_counter.add_many({"hits": hits, "misses": len(remote) + len(waiting),
+        read = lengths > 0
+        self.stats_counter.add_many({"hits": int((read & ~missed).sum()),
+                                     "misses": int(missed.sum()) + len(waiting),
                                      "prefetched": len(waiting)})
         self.stats_counter.flush()
-        return out
+
+    def _ranged_jobs(self, table: Any, item: int, b: int, lo: np.ndarray, hi: np.ndarray,
+                     dest: np.ndarray, flat: memoryview) -> list[tuple[tuple, list]]:
+        """The ranged requests for pieces ``[lo, hi)`` of block b (sorted by ``lo``): one per
+        run of touching or overlapping pieces, each with where its bytes go
+        (``(destination, offset in the request's bytes)``)."""
+        jobs: list[tuple[tuple, list]] = []
+        run_lo = run_hi = -1
+        targets: list[tuple[memoryview, int]] = []
+        for first, end, to in zip(lo.tolist(), hi.tolist(), dest.tolist()):
+            if first > run_hi:  # a gap: the run so far is one request
+                if targets:
+                    jobs.append((self._byte_range(table, item, b, run_lo, run_hi), targets))
+                run_lo, run_hi, targets = first, end, []
+            run_hi = max(run_hi, end)
+            targets.append((flat[to:to + (end - first) * item], (first - run_lo) * item))
+            self._note_ranged(b, (end - first) * item)
+        jobs.append((self._byte_range(table, item, b, run_lo, run_hi), targets))
+        return jobs
 
     def _copy(self, table: Any, dtype: np.dtype, b: int) -> tuple[int, int, str] | None:
         """(fd, data start, path) of the local copy of block b, opened and locked shared, or None."""
@@ -465,38 +550,6 @@ class BoundedReader:
             fd, _, _ = self._fds.pop(b)
             os.close(fd)
 
-    def _read_local(self, table: Any, dtype: np.dtype, start: int, length: int,
-                    dest: memoryview) -> bool:
-        """Read the row from local copies if all its blocks have one."""
-        token_starts = table.token_starts
-        item = dtype.itemsize
-        b = int(np.searchsorted(token_starts, start, side="right")) - 1
-        pos, stop = start, start + length
-        while pos < stop:
-            entry = self._copy(table, dtype, b)
-            if entry is None:
-                return False
-            base = int(token_starts[b])
-            end = min(stop, int(token_starts[b + 1]))
-            _pread_fully(entry[0], dest[(pos - start) * item:(end - start) * item],
-                         entry[1] + (pos - base) * item, entry[2])
-            pos = end
-            b += 1
-        return True
-
-    def _parts(self, token_starts: np.ndarray, start: int, length: int) -> list[tuple[int, int, int]]:
-        """(block, first, end) token offsets inside each block the range crosses."""
-        parts = []
-        b = int(np.searchsorted(token_starts, start, side="right")) - 1
-        pos, stop = start, start + length
-        while pos < stop:
-            base = int(token_starts[b])
-            end = min(stop, int(token_starts[b + 1]))
-            parts.append((b, pos - base, end - base))
-            pos = end
-            b += 1
-        return parts
-
     def _byte_range(self, table: Any, item: int, b: int, lo: int, hi: int
                     ) -> tuple[tuple[str, str, int], int, int]:
         """((file, checksum, size), first byte, end byte) of tokens [lo, hi) of block b: a
@@ -508,30 +561,6 @@ class BoundedReader:
                                    "small for its tokens (corrupted); run `torchcache verify`")
         key = (table.path(b), table.checksum(b), size)
         return key, data_start + lo * item, data_start + hi * item
-
-    def _read_remote(self, table: Any, dtype: np.dtype, rows: list[tuple[int, memoryview]],
-                     length: int, snapshot: tuple | None) -> None:
-        token_starts, item = table.token_starts, dtype.itemsize
-        jobs = []
-        for start, dest in rows:
-            offset = 0
-            for b, lo, hi in self._parts(token_starts, start, length):
-                part = dest[offset * item:(offset + hi - lo) * item]
-                offset += hi - lo
-                entry = self._copy(table, dtype, b) or self._obtain(table, dtype, b, snapshot)
-                if entry is not None:
-                    _pread_fully(entry[0], part, entry[1] + lo * item, entry[2])
-                    continue
-                jobs.append((part, self._byte_range(table, item, b, lo, hi)))
-                self._note_ranged(b, (hi - lo) * item)
-        if len(jobs) == 1:
-            part, (rel, a, z) = jobs[0]
-            part[:] = self._fetch_parts([(rel, a, z)])
-        elif jobs:
-            pool = self._executor()
-            futures = [(part, pool.submit(self._fetch_parts, [where])) for part, where in jobs]
-            for part, future in futures:
-                part[:] = future.result()
 
     def _obtain(self, table: Any, dtype: np.dtype, b: int, snapshot: tuple | None
                 ) -> tuple[int, int, str] | None:
@@ -716,7 +745,7 @@ class BoundedReader:
             if len(self._rows) >= self.readahead:
                 return
         first, size = batch
-        workers = self._num_workers()
+        workers = self.order.workers
         step = max(1, workers) * size  # this worker's next batch starts step reads later
         horizon = min(plan.hi, plan.cursor + 1 + plan.lookahead // 2)  # keep what the policy sees
         if workers:  # a worker exits at the end of the loader epoch (unless persistent)
@@ -745,8 +774,10 @@ class BoundedReader:
         False (nothing started) when it waits for a free slot for a block copy."""
         if start in self._rows:
             return True
-        token_starts, item = table.token_starts, dtype.itemsize
-        parts = self._parts(token_starts, start, length)
+        item = dtype.itemsize
+        _, blocks, los, his = block_pieces(table.token_starts, np.array([start], dtype=np.int64),
+                                           np.array([length], dtype=np.int64))
+        parts = list(zip(blocks.tolist(), los.tolist(), his.tolist()))
         ranged, copies = False, []
         for b, _, _ in parts:
             if b in self._fds or b in self._blocks:
@@ -800,8 +831,15 @@ class BoundedReader:
         return freed
 
 
+def _scatter(data: bytes, targets: list[tuple[memoryview, int]]) -> None:
+    """Copy a request's bytes to where its pieces go (``(destination, offset in data)``)."""
+    view = memoryview(data)
+    for target, offset in targets:
+        target[:] = view[offset:offset + len(target)]
+
+
 def _pread_fully(fd: int, dest: memoryview, offset: int, path: str) -> None:
-    pread_fully(fd, dest, offset, path, "delete this local copy (it is downloaded again)")
+    fmt.read_into(fd, dest, offset, path, "delete this local copy (it is downloaded again)", "block file")
 
 
 def _after_fork_in_child() -> None:

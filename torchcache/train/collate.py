@@ -8,9 +8,12 @@ Documents differ in length, so torch's default collate cannot stack them. Two la
   and ``position_ids`` restarting at each document; no padding at all, for variable-length
   attention (flash-attn's ``flash_attn_varlen_func``, PyTorch's nested/jagged kernels).
 
-Both set ``labels`` for models that shift inside (Hugging Face's): the input ids, with -100
-(ignored by ``cross_entropy``) where no token should be predicted. Pass extra options with
-``functools.partial``, which DataLoader workers can pickle::
+Both set ``labels`` as the README's "What a batch holds" defines them: by default
+``labels="same"``, for models that shift inside (Hugging Face's): the input ids, with -100
+(ignored by ``cross_entropy``) where no token should be predicted; ``labels="shifted"`` gives
+the next token at each position instead, as :class:`torchcache.TokenDataset` and
+:class:`torchcache.PackedDataset` do by default (it is the "same" labels moved one place to the
+left). Pass extra options with ``functools.partial``, which DataLoader workers can pickle::
 
     collate = functools.partial(tc.pad_collate, pad_id=cache.eos_id, max_length=2048)
     loader = tc.DataLoader(docs, batch_size=8, collate_fn=collate, num_workers=2)
@@ -24,16 +27,20 @@ from typing import Any
 import torch
 from torch.nn.utils.rnn import pad_sequence
 
-from .._util.args import int_arg, optional_int_arg
+from .._util.args import choice_arg, int_arg, optional_int_arg
 
 __all__ = ["IGNORE_INDEX", "packed_collate", "pad_collate"]
 
 #: The label of positions that predict nothing (``torch.nn.functional.cross_entropy``'s default).
 IGNORE_INDEX = -100
 
+#: How ``labels`` line up with ``input_ids``: "same" (the model shifts) or "shifted" (next token).
+LABEL_ALIGNMENTS = ("same", "shifted")
+
 
 def _documents(batch: Sequence[Any], max_length: int | None) -> list[torch.Tensor]:
-    """The batch's documents as 1-D int64 tensors, each cut to ``max_length`` tokens."""
+    """The batch's documents as 1-D int64 tensors, each cut to ``max_length`` tokens plus one
+    (the token after the cut, which only ``labels="shifted"`` uses; see :func:`_cut`)."""
     if isinstance(batch, (torch.Tensor, str, bytes)) or not isinstance(batch, Sequence):
         raise TypeError(f"batch must be a list of documents (1-D tensors of token ids), got "
                         f"{type(batch).__name__}")
@@ -45,12 +52,21 @@ def _documents(batch: Sequence[Any], max_length: int | None) -> list[torch.Tenso
         if doc.dim() != 1 or doc.is_floating_point() or doc.is_complex() or doc.dtype == torch.bool:
             raise TypeError(f"batch[{i}] must be a 1-D tensor of token ids (a DocumentDataset "
                             f"item), got {doc.dtype} of shape {tuple(doc.shape)}")
-        docs.append(doc[:max_length].to(torch.int64))
+        docs.append(doc[:None if max_length is None else max_length + 1].to(torch.int64))
     return docs
 
 
+def _cut(docs: list[torch.Tensor],
+         max_length: int | None) -> tuple[list[torch.Tensor], list[tuple[int, int]]]:
+    """``docs`` cut to ``max_length`` tokens, and the (cut index, next token) of each cut one."""
+    if max_length is None:
+        return docs, []
+    following = [(i, int(doc[max_length])) for i, doc in enumerate(docs) if len(doc) > max_length]
+    return [doc[:max_length] for doc in docs], following
+
+
 def pad_collate(batch: Sequence[torch.Tensor], *, pad_id: int = 0, max_length: int | None = None,
-                pad_to_multiple_of: int | None = None) -> dict[str, torch.Tensor]:
+                pad_to_multiple_of: int | None = None, labels: str = "same") -> dict[str, torch.Tensor]:
     """Documents as one right-padded batch, with an attention mask.
 
     Args:
@@ -60,21 +76,27 @@ def pad_collate(batch: Sequence[torch.Tensor], *, pad_id: int = 0, max_length: i
         max_length: cut longer documents to their first ``max_length`` tokens.
         pad_to_multiple_of: round the padded length up to a multiple of this (e.g. 8 or 64,
             for tensor-core friendly shapes).
+        labels: ``"same"`` (for models that shift inside) or ``"shifted"`` (the next token).
 
     Returns a dict of int64 tensors: ``input_ids`` ``[B, L]`` (``L`` the longest document,
     rounded up), ``attention_mask`` ``[B, L]`` (1 for tokens, 0 for padding), ``labels``
-    ``[B, L]`` (``input_ids``, with -100 at padding) and ``lengths`` ``[B]``.
+    ``[B, L]`` and ``lengths`` ``[B]``. ``labels="same"``: ``input_ids`` with -100 at padding;
+    ``"shifted"``: the next token of the same document, -100 at a document's last token (unless
+    ``max_length`` cut it: then the token after the cut) and at padding.
 
     >>> out = tc.pad_collate([torch.tensor([5, 6, 7]), torch.tensor([8])], pad_id=0)
     >>> out["input_ids"].tolist(), out["attention_mask"].tolist()
     ([[5, 6, 7], [8, 0, 0]], [[1, 1, 1], [1, 0, 0]])
     >>> out["labels"].tolist(), out["lengths"].tolist()
     ([[5, 6, 7], [8, -100, -100]], [3, 1])
+    >>> tc.pad_collate([torch.tensor([5, 6, 7]), torch.tensor([8])], labels="shifted")["labels"].tolist()
+    [[6, 7, -100], [-100, -100, -100]]
     """
     pad_id = int_arg(pad_id, "pad_id", minimum=None)
     max_length = optional_int_arg(max_length, "max_length", 1)
     multiple = optional_int_arg(pad_to_multiple_of, "pad_to_multiple_of", 1)
-    docs = _documents(batch, max_length)
+    alignment = choice_arg(labels, "labels", LABEL_ALIGNMENTS)
+    docs, following = _cut(_documents(batch, max_length), max_length)
     lengths = torch.tensor([len(d) for d in docs], dtype=torch.int64)
     width = int(lengths.max())
     if multiple is not None:
@@ -83,24 +105,34 @@ def pad_collate(batch: Sequence[torch.Tensor], *, pad_id: int = 0, max_length: i
     if width:
         input_ids[:, :int(lengths.max())] = pad_sequence(docs, batch_first=True, padding_value=pad_id)
     attention_mask = (torch.arange(width) < lengths[:, None]).to(torch.int64)
-    labels = input_ids.masked_fill(attention_mask == 0, IGNORE_INDEX)
-    return {"input_ids": input_ids, "attention_mask": attention_mask, "labels": labels,
+    if alignment == "same":
+        targets = input_ids.masked_fill(attention_mask == 0, IGNORE_INDEX)
+    else:  # each position's next token, while it is in the same document
+        targets = torch.full_like(input_ids, IGNORE_INDEX)
+        targets[:, :-1] = input_ids[:, 1:]
+        targets.masked_fill_(torch.arange(width) >= lengths[:, None] - 1, IGNORE_INDEX)
+        for i, token in following:
+            targets[i, max_length - 1] = token
+    return {"input_ids": input_ids, "attention_mask": attention_mask, "labels": targets,
             "lengths": lengths}
 
 
-def packed_collate(batch: Sequence[torch.Tensor], *,
-                   max_length: int | None = None) -> dict[str, Any]:
+def packed_collate(batch: Sequence[torch.Tensor], *, max_length: int | None = None,
+                   labels: str = "same") -> dict[str, Any]:
     """Documents end to end in one flat sequence, for variable-length attention (no padding).
 
     Args:
         batch: 1-D tensors of token ids (:class:`torchcache.DocumentDataset` items).
         max_length: cut longer documents to their first ``max_length`` tokens.
+        labels: ``"same"`` (for models that shift inside) or ``"shifted"`` (the next token).
 
     Returns ``input_ids`` int64 ``[T]`` (``T`` the total tokens), ``position_ids`` int64 ``[T]``
     (0, 1, ... restarting at each document), ``cu_seqlens`` int32 ``[B + 1]`` (where each
     document starts, then ``T``), ``max_seqlen`` (int, the longest document) and ``labels``
-    int64 ``[T]`` (``input_ids`` with -100 at each document's first token, so that, once the
-    model shifts, no token is trained to predict the next document). Add a batch dimension
+    int64 ``[T]``. ``labels="same"``: ``input_ids`` with -100 at each document's first token,
+    so that, once the model shifts, no token is trained to predict the next document;
+    ``"shifted"``: the next token of the same document, -100 at a document's last token (unless
+    ``max_length`` cut it: then the token after the cut). Add a batch dimension
     (``input_ids[None]``) for models that expect one.
 
     >>> out = tc.packed_collate([torch.tensor([5, 6, 7]), torch.tensor([8, 9])])
@@ -108,16 +140,27 @@ def packed_collate(batch: Sequence[torch.Tensor], *,
     ([5, 6, 7, 8, 9], [0, 1, 2, 0, 1])
     >>> out["cu_seqlens"].tolist(), out["max_seqlen"], out["labels"].tolist()
     ([0, 3, 5], 3, [-100, 6, 7, -100, 9])
+    >>> tc.packed_collate([torch.tensor([5, 6, 7]), torch.tensor([8, 9])], labels="shifted")["labels"].tolist()
+    [6, 7, -100, 9, -100]
     """
     max_length = optional_int_arg(max_length, "max_length", 1)
-    docs = _documents(batch, max_length)
+    alignment = choice_arg(labels, "labels", LABEL_ALIGNMENTS)
+    docs, following = _cut(_documents(batch, max_length), max_length)
     lengths = torch.tensor([len(d) for d in docs], dtype=torch.int64)
     cu_seqlens = torch.zeros(len(docs) + 1, dtype=torch.int64)
     torch.cumsum(lengths, 0, out=cu_seqlens[1:])
     input_ids = torch.cat(docs)
     starts = torch.repeat_interleave(cu_seqlens[:-1], lengths)
     position_ids = torch.arange(len(input_ids), dtype=torch.int64) - starts
-    labels = input_ids.masked_fill(position_ids == 0, IGNORE_INDEX)
+    if alignment == "same":
+        targets = input_ids.masked_fill(position_ids == 0, IGNORE_INDEX)
+    else:  # each position's next token, while it is in the same document
+        targets = torch.full_like(input_ids, IGNORE_INDEX)
+        targets[:-1] = input_ids[1:]
+        ends = cu_seqlens[1:][lengths > 0] - 1
+        targets[ends] = IGNORE_INDEX
+        for i, token in following:
+            targets[cu_seqlens[i + 1] - 1] = token
     return {"input_ids": input_ids, "position_ids": position_ids,
             "cu_seqlens": cu_seqlens.to(torch.int32), "max_seqlen": int(lengths.max()),
-            "labels": labels}
+            "labels": targets}

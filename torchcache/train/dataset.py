@@ -1,14 +1,43 @@
 """Map-style datasets over a cache: fixed-length token windows, and whole documents.
 
-To batch documents (different lengths) use :func:`torchcache.pad_collate` or
+Both read a batch in one gather of the cache (:meth:`torchcache.TokenCache.read_ranges`). To
+batch documents (different lengths) use :func:`torchcache.pad_collate` or
 :func:`torchcache.packed_collate` as the DataLoader's ``collate_fn``.
+
+A tiny cache, built here from a word-level tokenizer, for the examples of this module:
+
+>>> import tempfile
+>>> import torchcache as tc
+>>> from tokenizers import Tokenizer, models, pre_tokenizers
+>>> words = "the cat sat on a mat dog ran far <eos>".split()
+>>> tokenizer = Tokenizer(models.WordLevel({w: i for i, w in enumerate(words)} | {"[UNK]": 10},
+...                                        unk_token="[UNK]"))
+>>> tokenizer.pre_tokenizer = pre_tokenizers.Whitespace()
+>>> tmp = tempfile.TemporaryDirectory()
+>>> docs = ["the cat sat on a mat", "a dog ran far", "the dog sat"] * 4
+>>> built = tc.build_cache(iter(docs), f"{tmp.name}/cache", tokenizer, eos="<eos>",
+...                        block_tokens=16, num_workers=1, progress=False)
+>>> ds = TokenDataset(f"{tmp.name}/cache", seq_len=8)
+>>> len(ds), ds[0]["input_ids"].tolist(), ds[0]["labels"].tolist()
+(7, [0, 1, 2, 3, 4, 5, 9, 4], [1, 2, 3, 4, 5, 9, 4, 6])
+>>> batch = ds.get_batch([0, 6])
+>>> batch["input_ids"].shape, batch["labels"].dtype
+(torch.Size([2, 8]), torch.int64)
+>>> ds.read_windows([0, 1])  # the same windows in the cache's dtype, seq_len + 1 tokens each
+array([[0, 1, 2, 3, 4, 5, 9, 4, 6],
+       [6, 7, 8, 9, 0, 6, 2, 9, 0]], dtype=uint16)
+>>> ds.plan_reads(tc.DistributedSampler(ds, seed=0))  # a local cache: nothing to plan
+>>> docs = DocumentDataset(ds.cache)
+>>> [ds.cache.decode(d) for d in docs.__getitems__([1, 2])]
+['a dog ran far <eos>', 'the dog sat <eos>']
+>>> ds.cache.close(); tmp.cleanup()
 """
 
 from __future__ import annotations
 
 import os
 from collections.abc import Mapping
-from typing import Any, Callable, Sequence
+from typing import Any, Sequence
 
 import numpy as np
 import torch
@@ -52,7 +81,6 @@ def knows_content(dataset: Any) -> bool:
 
 
 _WINDOWS = "__torchcache_windows__"  # the key of the token windows in a compact batch
-_Allocate = Callable[[tuple[int, int]], torch.Tensor]  # makes an int64 tensor of a shape
 
 
 class GrowingDataset(Dataset):
@@ -234,28 +262,36 @@ class TokenDataset(GrowingDataset):
     def __repr__(self) -> str:
         return f"TokenDataset({self.cache!r}, seq_len={self.seq_len}, {len(self):,} samples)"
 
-    def follow_sampler(self, sampler) -> None:
-        """Tell the cache which windows ``sampler`` will read, in order: a remote cache with a
-        ``cache_limit`` then fetches them ahead and keeps the blocks needed soonest (nothing
-        happens for other caches). :class:`torchcache.DistributedSampler` calls this when it is
-        made over this dataset; the plan travels with the dataset into DataLoader workers.
+    def plan_reads(self, sampler: Any, num_workers: int = 0) -> None:
+        """Plan the cache's reads in the order ``sampler`` (a
+        :class:`torchcache.DistributedSampler` over this dataset) will ask for windows, read by
+        ``num_workers`` DataLoader worker processes taking turns (0: by this process).
 
-        >>> ds = tc.TokenDataset(tc.TokenCache(url, cache_limit="200GB"), 2048)  # doctest: +SKIP
-        >>> sampler = tc.DistributedSampler(ds, seed=0)  # calls ds.follow_sampler(sampler)  # doctest: +SKIP
+        A remote cache with a ``cache_limit`` then fetches them ahead and keeps the blocks
+        needed soonest; other caches ignore it. :class:`torchcache.DataLoader` calls this when
+        it starts iterating (before its workers start, so the plan travels into them); the plan
+        follows the sampler's moves (``set_position``, resume) by itself, and planning the same
+        sampler again changes nothing. Nothing is planned by making a sampler.
+
+        >>> loader_sampler = tc.DistributedSampler(ds, seed=0)  # doctest: +SKIP
+        >>> ds.plan_reads(loader_sampler, num_workers=2)  # in DataLoader.__iter__  # doctest: +SKIP
         """
-        self.cache.plan_reads(SamplerReads(sampler, self.seq_len))
+        num_workers = int_arg(num_workers, "num_workers", 0)
+        self.cache.plan_reads(SamplerReads(sampler, self.seq_len, workers=num_workers))
 
     def read_windows(self, indices: Sequence[int]) -> np.ndarray:
-        """Token windows (len(indices), seq_len + 1) in the cache's dtype, read in one call.
+        """Token windows (len(indices), seq_len + 1) in the cache's dtype, read in one call:
+        window ``i`` is tokens ``[i * seq_len, (i + 1) * seq_len + 1)`` of the cache
+        (:meth:`batch_from_windows` makes them a batch).
 
         >>> ds.read_windows([0, 1]).shape  # doctest: +SKIP
-        (2, 2049)
+        (2, 9)
         """
         return self._read(self._check(indices))
 
     def _read(self, idx: np.ndarray) -> np.ndarray:
         """The windows of checked sample positions ``idx``."""
-        return self.cache._read_checked_rows(idx * self.seq_len, self.seq_len + 1)
+        return self.cache.read_many(idx * self.seq_len, self.seq_len + 1)
 
     def __getitem__(self, index: int) -> dict[str, torch.Tensor]:
         return self.__getitems__([self._check_index(index)])[0]
@@ -285,28 +321,26 @@ class TokenDataset(GrowingDataset):
         """
         if self.document_boundaries:
             return self.expand_batch(self.compact_batch(indices))
-        return self._widen(self._read(self._check(indices)))  # the hot path: no detour
+        return self.batch_from_windows(self._read(self._check(indices)))  # the hot path
 
-    def _get_batch_into(self, indices: Sequence[int], allocate: _Allocate) -> dict[str, torch.Tensor]:
-        """:meth:`get_batch` (of a dataset without ``document_boundaries``) widened straight into
-        int64 tensors made by ``allocate(shape)`` (pinned ones, for a DataLoader with
-        ``pin_memory=True``): one copy, not two."""
-        return self._widen(self._read(self._check(indices)), allocate)
-
-    def _widen(self, windows: np.ndarray, allocate: _Allocate | None = None) -> dict[str, torch.Tensor]:
-        """Windows (n, seq_len + 1) in the cache's dtype as int64 input_ids and labels (in
-        tensors from ``allocate(shape)`` if given)."""
+    def batch_from_windows(self, windows: np.ndarray) -> dict[str, torch.Tensor]:
+        """Windows (n, seq_len + 1) in the cache's dtype (:meth:`read_windows`) as the batch:
+        int64 ``input_ids`` and ``labels`` (see "What a batch holds" in the README)."""
         inputs, targets = windows[:, :-1], (windows[:, 1:] if self.labels == "shifted" else None)
-        if allocate is not None:
-            input_ids, labels = allocate(inputs.shape), allocate(inputs.shape)
-            np.copyto(input_ids.numpy(), inputs)
-            np.copyto(labels.numpy(), inputs if targets is None else targets)
-            return {"input_ids": input_ids, "labels": labels}
         input_ids = torch.from_numpy(inputs.astype(np.int64))
         if targets is None:
             return {"input_ids": input_ids, "labels": input_ids.clone()}
         labels = torch.from_numpy(targets.astype(np.int64))
         return {"input_ids": input_ids, "labels": labels}
+
+    @property
+    def compact_format(self) -> tuple[Any, ...]:
+        """What :meth:`expand_batch` depends on: TokenDatasets of equal ``compact_format``
+        expand each other's compact batches alike, so a mixture of them reads its sources'
+        windows into one array and expands the batch once (see
+        :meth:`torchcache.MixtureDataset.get_batch`)."""
+        return ("token windows", str(self.cache.dtype), self.seq_len, self.labels,
+                self.document_boundaries, self.max_segments)
 
     def compact_batch(self, indices: Sequence[int]) -> dict[str, torch.Tensor]:
         """The batch as its token windows in the cache's dtype (2 or 4 bytes a token).
@@ -343,7 +377,7 @@ class TokenDataset(GrowingDataset):
                             f"{type(compact).__name__}")
         compact = dict(compact)
         windows = compact.pop(_WINDOWS).numpy().view(self.cache.dtype)
-        return {**self._widen(windows), **compact}
+        return {**self.batch_from_windows(windows), **compact}
 
     def _boundaries(self, sample: int) -> tuple[np.ndarray, np.ndarray, int]:
         """(position_ids, cu_seqlens, num_segments) of one sample."""
@@ -396,7 +430,12 @@ class DocumentDataset(GrowingDataset):
         return torch.from_numpy(self.cache.document(self._check_index(index)))
 
     def __getitems__(self, indices: Sequence[int]) -> list[torch.Tensor]:
-        return [torch.from_numpy(self.cache.document(i)) for i in self._check(indices).tolist()]
+        """Documents ``indices``, read in one gather and widened to int64 once."""
+        spans = np.array([self.cache.document_span(i) for i in self._check(indices).tolist()],
+                         dtype=np.int64).reshape(-1, 2)
+        lengths = spans[:, 1] - spans[:, 0]
+        tokens = torch.from_numpy(self.cache.read_ranges(spans[:, 0], lengths).astype(np.int64))
+        return list(torch.split(tokens, lengths.tolist()))
 
     def __repr__(self) -> str:
         return f"DocumentDataset({self.cache!r}, {len(self):,} documents)"

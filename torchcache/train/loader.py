@@ -4,29 +4,35 @@ Samplers and workers run ahead of the training loop (prefetching), so "what the 
 dispatched" overstates progress. This loader counts batches as they are handed to the caller and
 stores that count in global stream positions; on resume it restarts the sampler there, so
 prefetched-but-unreceived batches are simply produced again.
+
+A batch is made in one of three ways: by a reader thread of this process that reads ahead
+(``prefetch_batches``), by torch worker processes (``num_workers``), or in the training loop's
+own thread, synchronously. Each way makes the same batches from the same function (a dataset's
+``get_batch``, or its items and ``collate_fn``) and pins them with :func:`pin_batch`.
 """
 
 from __future__ import annotations
 
+import functools
+import threading
 import weakref
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
 import numpy as np
 import torch.utils.data
-from torch.utils.data._utils.pin_memory import pin_memory as _pin_memory
 
 from .._util.args import bool_arg, int_arg, number_arg, optional_int_arg
 from ..order.permutation import PERMUTATION_ALGORITHM
 from ..order.state import check_state
-from .dataset import TokenDataset, knows_content
-from .packed import PackedDataset
-from ..read.prefetch import BatchReader, Prefetcher, batch_indices
+from .dataset import knows_content
+from ..read.cache import TokenCache
+from ..read.prefetch import BatchReader, batch_indices
 from .sampler import DistributedSampler, dataset_length
 
-__all__ = ["DataLoader"]
+__all__ = ["DataLoader", "batched_reader", "pin_batch"]
 
-_DEFAULT_PREFETCH = 4  # batches read ahead by default for a TokenDataset/PackedDataset
+_DEFAULT_PREFETCH = 4  # batches read ahead by default for a dataset with get_batch
 
 LOADER_STATE_FORMAT = "torchcache.loader"
 LOADER_STATE_VERSION = 3
@@ -56,6 +62,64 @@ _MOVED = ("this DataLoader iterator's sampler was moved (set_position, set_epoch
           "stream; call iter(loader) again: the new iterator starts at the sampler's new position")
 
 
+def batched_reader(dataset: Any) -> Callable[[Any], Any] | None:
+    """``dataset.get_batch`` where the dataset makes whole batches itself, else None.
+
+    A dataset takes part in the batched protocol by having a ``get_batch(indices)`` method (see
+    :class:`DataLoader`). A subclass that redefines its items (``__getitem__`` or
+    ``__getitems__``) but not ``get_batch`` is read through its items instead, since the
+    inherited ``get_batch`` would not know about the change.
+
+    >>> class Squares(torch.utils.data.Dataset):
+    ...     def __len__(self): return 10
+    ...     def __getitem__(self, i): return torch.tensor(i * i)
+    ...     def get_batch(self, indices): return torch.as_tensor(indices) ** 2
+    >>> class Cubes(Squares):
+    ...     def __getitem__(self, i): return torch.tensor(i ** 3)
+    >>> batched_reader(Squares()) is not None, batched_reader(Cubes()), batched_reader([1, 2])
+    (True, None, None)
+    """
+    get_batch = getattr(dataset, "get_batch", None)
+    if not callable(get_batch):
+        return None
+    if "get_batch" in getattr(dataset, "__dict__", ()):  # set on the instance: it wins
+        return get_batch
+    mro = type(dataset).__mro__
+
+    def defined_at(name: str) -> int:  # how far up the class hierarchy ``name`` is defined
+        return next((depth for depth, cls in enumerate(mro) if name in vars(cls)), len(mro))
+    items_at = min(defined_at("__getitem__"), defined_at("__getitems__"))
+    return get_batch if defined_at("get_batch") <= items_at else None
+
+
+def pin_batch(batch: Any) -> Any:
+    """``batch`` with every tensor in page-locked memory (copied there), for a faster, and
+    possibly asynchronous, copy to the accelerator. Dicts, lists and tuples (named ones too)
+    are walked, keeping their types where they can be rebuilt; anything else with a
+    ``pin_memory()`` method is pinned by it, and other values are kept as they are.
+
+    >>> pin_batch({"ids": [1, 2], "name": "x"})  # no tensor: nothing to pin
+    {'ids': [1, 2], 'name': 'x'}
+    """
+    if isinstance(batch, torch.Tensor):
+        return batch.pin_memory()
+    if isinstance(batch, (str, bytes)):
+        return batch
+    if isinstance(batch, Mapping):
+        pinned = {key: pin_batch(value) for key, value in batch.items()}
+        try:
+            return type(batch)(pinned)
+        except TypeError:  # a mapping that cannot be made from a dict
+            return pinned
+    if isinstance(batch, tuple):
+        values = [pin_batch(value) for value in batch]
+        return type(batch)(*values) if hasattr(batch, "_fields") else tuple(values)
+    if isinstance(batch, list):
+        return [pin_batch(value) for value in batch]
+    pin = getattr(batch, "pin_memory", None)
+    return pin() if callable(pin) else batch
+
+
 class DataLoader(torch.utils.data.DataLoader):
     """``torch.utils.data.DataLoader`` with exact, elastic resume via :meth:`state_dict`.
 
@@ -79,36 +143,62 @@ class DataLoader(torch.utils.data.DataLoader):
     If the user moved the sampler explicitly (``set_position``, ``set_epoch`` on a fresh
     sampler, ``sampler.load_state_dict``), the next ``iter()`` adopts that position instead.
 
-    **Fast mode for token data, the default:** with ``num_workers=0`` (the default), no
-    ``collate_fn`` and a :class:`~torchcache.TokenDataset` or :class:`~torchcache.PackedDataset`,
-    batches are made in this process, each in one call (``get_batch``: the same tensors as the
-    default collate), ``prefetch_batches=4`` ahead. While the training loop is busy between
-    batches (a GPU step), a thread reads the next ones (pread, numpy and torch copies release the
-    GIL, so reading overlaps the step); while the loop asks faster than batches are read, the
-    loop's own thread reads the next batch, since handing batches over between threads would then
-    cost more than it saves. No batch is copied between processes. ``prefetch_batches=0`` turns
-    reading ahead off (torch's synchronous path); ``prefetch_batches=N`` also reads any other
-    dataset's batches ahead, in a thread. This is the recommended setting (the README's
-    Performance section has the measured figures, from ``tools/bench_read.py``). Use worker
-    processes instead when making a batch is heavy Python work (custom transforms), which would
-    hold the GIL against the training loop.
+    **The batched protocol.** A dataset with a method ``get_batch(indices) -> batch`` makes
+    whole batches itself: ``indices`` is a 1-D int64 numpy array of its sample indices, and the
+    batch must equal what ``default_collate([dataset[i] for i in indices])`` gives (the same
+    keys, dtypes, shapes and values), only made in one call instead of one per sample.
+    :class:`~torchcache.TokenDataset`, :class:`~torchcache.PackedDataset` and
+    :class:`~torchcache.MixtureDataset` have it, and a dataset of your own may too. With no
+    ``collate_fn``, the loader makes every batch of such a dataset with ``get_batch``, in every
+    mode below; other datasets (or a ``collate_fn``) go through ``__getitems__`` (or
+    ``__getitem__``) and the collate function, as in torch. ``get_batch`` may be called from the
+    training loop's thread and the reader thread at once: make it thread-safe (torchcache's
+    are). A dataset may also offer ``compact_batch(indices)`` and ``expand_batch(compact)``
+    (``expand_batch(compact_batch(i))`` equal to ``get_batch(i)``): worker processes then send
+    the compact form (``compact_transfer=True``, the default), and this process expands it.
+    TokenDataset's and PackedDataset's compact batches are their tokens in the cache's dtype
+    (uint16: 8x less data than two int64 tensors). Datasets of one ``compact_format`` (a
+    hashable attribute: equal where compact batches hold one row per sample and either
+    dataset's ``expand_batch`` expands the other's alike) let a
+    :class:`~torchcache.MixtureDataset` of them put its rows in order compact and expand the
+    batch once. A dataset with a method
+    ``plan_reads(sampler, num_workers)`` (:class:`~torchcache.TokenDataset`) is told, whenever
+    an iterator starts and before any worker starts, which sampler (and how many workers) will
+    read it: a remote cache with a ``cache_limit`` then fetches ahead in that order.
 
-    **Compact transfer** (``compact_transfer=True``, the default): with worker processes, no
-    ``collate_fn`` and a :class:`~torchcache.TokenDataset` (or ``PackedDataset``), workers send
-    each batch as its tokens in the cache's dtype (uint16: 8x less data than two int64 tensors)
-    and this process widens them to the usual int64 ``input_ids``/``labels``. The batches are identical. The
-    workers then belong to an inner torch DataLoader over a view of the dataset whose items are
-    those windows (``get_worker_info().dataset`` is that view; its ``dataset`` attribute is the
-    dataset given); ``loader.dataset`` is the dataset given.
+    **Three modes.**
+
+    - *In-process read-ahead*, the default for a dataset with ``get_batch`` (``num_workers=0``,
+      no ``collate_fn``; ``prefetch_batches=4``): while the training loop is busy between
+      batches (a GPU step), a thread reads the next ones (pread, numpy and torch copies release
+      the GIL, so reading overlaps the step); while the loop asks faster than batches are read,
+      the loop's own thread reads the next batch, since handing batches over between threads
+      would then cost more than it saves. No batch is copied between processes. This is the
+      recommended setting (the README's Performance section has the measured figures, from
+      ``tools/bench_read.py``). ``prefetch_batches=N`` reads any other dataset's batches ahead
+      too, one batch at a time (its ``__getitem__`` is never called from two threads at once).
+    - *Worker processes* (``num_workers > 0``): use them when making a batch is heavy Python
+      work (custom transforms), which would hold the GIL against the training loop. Each worker
+      makes whole batches (torch's ``batch_size=None`` pattern: the workers belong to an inner
+      torch DataLoader over a view of the dataset whose item ``indices`` is the batch of those
+      samples; ``get_worker_info().dataset`` is that view, its ``dataset`` attribute the
+      dataset given). ``prefetch_factor`` and ``persistent_workers`` apply. In each worker, the
+      caches the dataset reads (its ``cache``, a mixture's sources' caches) are replaced by
+      pread-only copies (:meth:`TokenCache.with_map_bytes` ``(0)``) before your
+      ``worker_init_fn`` runs, so the workers' RSS stays flat.
+    - *Synchronous* (``prefetch_batches=0`` and ``num_workers=0``): each batch is made when
+      ``next()`` asks for it, in the loop's thread.
+
+    ``pin_memory=True`` pins every batch in this process (:func:`pin_batch`), in every mode.
+    ``timeout`` bounds the wait for a batch from the reader thread or the workers (it needs
+    one of them: refused in the synchronous mode). ``prefetch_batches`` (None: 4 for a dataset
+    with ``get_batch``, else 0) and ``compact_transfer`` are the loader's own arguments;
+    everything else is torch's. ``prefetch_batches`` with ``num_workers > 0`` is refused.
 
     Resume stays exact: :meth:`state_dict` counts the batches the loop received, and prefetched
     ones are read again after resume. An abandoned iterator stops its thread when
-    garbage-collected. An exception
-    in the thread is re-raised by ``next()``, with its traceback. ``pin_memory`` and ``timeout``
-    apply; ``prefetch_batches`` with ``num_workers > 0`` is refused.
-
-    ``prefetch_batches`` (None: 4 for the fast mode above, else 0) is the loader's own
-    argument; everything else is torch's.
+    garbage-collected. An exception raised while making a batch is re-raised by ``next()``,
+    with its traceback.
 
     **One live iterator**, in every mode (in-process, worker processes, persistent workers): a
     new ``iter()``, :meth:`load_state_dict`, or a move of the sampler (``set_position``,
@@ -116,13 +206,19 @@ class DataLoader(torch.utils.data.DataLoader):
     workers are released unless persistent) and its ``next()`` raises RuntimeError saying to
     call ``iter(loader)`` again, rather than continue a stream the state no longer counts.
 
-    >>> ds = tc.TokenDataset("runs/quickstart/cache", seq_len=2048)  # doctest: +SKIP
-    >>> sampler = tc.DistributedSampler(ds, shuffle=True, seed=0)  # doctest: +SKIP
-    >>> loader = tc.DataLoader(ds, batch_size=8, sampler=sampler, num_workers=2)  # doctest: +SKIP
-    >>> for step, batch in enumerate(loader):  # doctest: +SKIP
-    ...     if step % 1000 == 0:
-    ...         torch.save({"loader": loader.state_dict()}, "ckpt.pt")
-    >>> loader.load_state_dict(torch.load("ckpt.pt")["loader"])  # on restart  # doctest: +SKIP
+    >>> class Squares(torch.utils.data.Dataset):  # any map-style dataset; this one is batched
+    ...     def __len__(self): return 10
+    ...     def __getitem__(self, i): return torch.tensor(i * i)
+    ...     def get_batch(self, indices): return torch.as_tensor(indices) ** 2
+    >>> loader = tc.DataLoader(Squares(), batch_size=4)  # in-process, 4 batches ahead
+    >>> it = iter(loader)
+    >>> next(it).tolist(), loader.consumed
+    ([0, 1, 4, 9], 4)
+    >>> state = loader.state_dict()  # JSON-serialisable: save it with the checkpoint
+    >>> resumed = tc.DataLoader(Squares(), batch_size=4)
+    >>> resumed.load_state_dict(state)  # on restart
+    >>> [batch.tolist() for batch in resumed]  # the batches after the last one received
+    [[16, 25, 36, 49], [64, 81]]
     """
 
     # accelerate (read by it, nothing imported): `Accelerator.prepare` returns a loader marked
@@ -155,15 +251,21 @@ class DataLoader(torch.utils.data.DataLoader):
         _check_loader_args(batch_size=batch_size, shuffle=shuffle, num_workers=num_workers,
                            pin_memory=pin_memory, drop_last=drop_last, timeout=timeout, seed=seed,
                            prefetch_batches=prefetch_batches, compact_transfer=compact_transfer)
-        if prefetch_batches is None:  # the fast mode wherever it applies: our batches, in-process
-            fast = (num_workers == 0 and collate_fn is None and batch_size is not None
-                    and _batched_dataset(dataset))
-            prefetch_batches = _DEFAULT_PREFETCH if fast else 0
+        batched = collate_fn is None and batch_size is not None and batched_reader(dataset) is not None
+        if prefetch_batches is None:  # read ahead wherever batches are made whole, in-process
+            prefetch_batches = _DEFAULT_PREFETCH if num_workers == 0 and batched else 0
         if prefetch_batches and num_workers:
             raise ValueError(
                 f"prefetch_batches={prefetch_batches} reads ahead in a thread of this process and "
                 f"needs num_workers=0 (got num_workers={num_workers}); with worker processes use "
                 "prefetch_factor instead"
+            )
+        if timeout and not (prefetch_batches or num_workers):
+            raise ValueError(
+                f"timeout={timeout} bounds the wait for a batch made by the reader thread or by "
+                "worker processes, but this loader makes its batches synchronously "
+                "(prefetch_batches=0, num_workers=0); pass prefetch_batches > 0 or "
+                "num_workers > 0, or leave timeout=0"
             )
         if sampler is None:
             sampler = DistributedSampler(
@@ -183,9 +285,9 @@ class DataLoader(torch.utils.data.DataLoader):
                     f"shuffle={shuffle} contradicts sampler.shuffle={sampler.shuffle}; "
                     "set shuffle on the DistributedSampler only"
                 )
-        if sampler.num_samples != dataset_length(dataset):
+        if sampler.dataset_size != dataset_length(dataset):
             raise ValueError(
-                f"sampler covers {sampler.num_samples} samples but len(dataset) is {len(dataset)}; "
+                f"sampler covers {sampler.dataset_size} samples but len(dataset) is {len(dataset)}; "
                 "build the sampler over the same dataset"
             )
         if batch_sampler is not None:
@@ -203,31 +305,37 @@ class DataLoader(torch.utils.data.DataLoader):
             worker_init_fn=worker_init_fn, multiprocessing_context=multiprocessing_context,
             generator=generator, **kwargs,
         )
-        # Compact transfer: workers of an inner torch DataLoader read token windows in the
-        # cache's dtype; this process widens each batch to int64 (see _expanded).
-        self._compact_loader: torch.utils.data.DataLoader | None = None
-        if (compact_transfer and num_workers and collate_fn is None and batch_size is not None
-                and _batched_dataset(dataset)):
-            self._compact_loader = torch.utils.data.DataLoader(
-                _WorkerWindows(dataset), batch_size=batch_size, sampler=sampler,
-                num_workers=num_workers, pin_memory=False, drop_last=drop_last, timeout=timeout,
-                worker_init_fn=worker_init_fn, multiprocessing_context=multiprocessing_context,
-                generator=generator, **kwargs,
+        compact = (batched and num_workers > 0 and compact_transfer
+                   and callable(getattr(dataset, "compact_batch", None))
+                   and callable(getattr(dataset, "expand_batch", None)))
+        how = "compact" if compact else "batch" if batched else "items" if batch_size else "one"
+        #: What makes a batch from its indices, in this process or in a worker.
+        self._make = _Batches(dataset, self.collate_fn, how)
+        self._worker_loader: torch.utils.data.DataLoader | None = None
+        if num_workers:  # torch workers that make whole batches (torch's batch_size=None pattern)
+            kwargs.pop("pin_memory_device", None)  # pinned here, once (pin_batch)
+            self._worker_loader = torch.utils.data.DataLoader(
+                self._make, batch_size=None, sampler=_BatchIndices(sampler, batch_size, drop_last),
+                num_workers=num_workers, collate_fn=_as_is, pin_memory=False, timeout=timeout,
+                worker_init_fn=functools.partial(_start_worker, worker_init_fn),
+                multiprocessing_context=multiprocessing_context, generator=generator, **kwargs,
             )
         self._consumed = 0
         self._generation = 0  # bumped per iter() and load_state_dict(); stale iterators stop counting
         self._sampler_version = sampler.position_version  # after the last move this loader made
         self.prefetch_batches = prefetch_batches
-        self._use_get_batch = collate_fn is None
-        self._prefetcher: weakref.ref[Prefetcher | BatchReader] | None = None
+        self._prefetcher: weakref.ref[BatchReader] | None = None
         self._live: weakref.ref[_CountingIterator] | None = None  # the iterator state counts
 
     @property
     def consumed(self) -> int:
         """Global stream positions the training loop has received so far (all ranks together).
 
-        >>> loader.consumed  # after 10 batches of 8 on each of 4 ranks  # doctest: +SKIP
-        320
+        >>> loader = tc.DataLoader(range(100), batch_size=8)
+        >>> it = iter(loader)
+        >>> _ = [next(it) for _ in range(10)]
+        >>> loader.consumed  # 10 batches of 8 (on each rank: all ranks together count)
+        80
         """
         self._adopt_sampler_moves()
         return self._consumed
@@ -265,64 +373,35 @@ class DataLoader(torch.utils.data.DataLoader):
         return live
 
     def _batches(self) -> Iterator[Any]:
-        """The batches of a new iterator, from the sampler's (just set) position."""
-        if self._compact_loader is not None:
+        """The batches of a new iterator, from the sampler's (just set) position, in one of the
+        three modes (see the class)."""
+        plan_reads = getattr(self.dataset, "plan_reads", None)
+        if callable(plan_reads):  # before workers start, so that the plan travels into them
+            plan_reads(self.sampler, self.num_workers)
+        finish = self._finish()
+        if self._worker_loader is not None:
             # iter() here, not at the first next(): it fixes the sampler's start position now
-            return self._expanded(iter(self._compact_loader))
+            batches = iter(self._worker_loader)
+            return batches if finish is None else _Finished(batches, finish)
+        # iter(sampler) here, not in a thread or at the first next(): it fixes the start now
+        take = batch_indices(iter(self.sampler), self.batch_size, self.drop_last)
+        make = self._make.__getitem__
+        if self._make.how not in ("batch", "compact"):  # a dataset that never promised threads
+            make = _one_at_a_time(make)
+        read = make if finish is None else (lambda index: finish(make(index)))
         if not self.prefetch_batches:
-            return super().__iter__()
-        # iter(sampler) here, not in the thread: it fixes the start position before returning
-        indices = iter(self.sampler)
-        get_batch = self._batch_maker()
-        if get_batch is not None:  # our own batches: read ahead, or in this thread when waiting
-            prefetcher: Prefetcher | BatchReader = BatchReader(
-                batch_indices(indices, self.batch_size, self.drop_last), get_batch,
-                self.prefetch_batches, self.timeout)
-        else:
-            prefetcher = Prefetcher(self._read_batches(indices), self.prefetch_batches, self.timeout)
-        self._prefetcher = weakref.ref(prefetcher)
-        return prefetcher
+            return _synchronous(take, read)
+        reader = BatchReader(take, read, self.prefetch_batches, self.timeout)
+        self._prefetcher = weakref.ref(reader)
+        return reader
 
-    def _batch_maker(self) -> Any:
-        """``indices -> batch`` for a TokenDataset/PackedDataset read whole (pinned if asked),
-        or None where batches go through items and a collate_fn."""
-        if not (self._use_get_batch and self.batch_size is not None and _batched_dataset(self.dataset)):
-            return None
-        get_batch = self.dataset.get_batch
-        device = _pin_device() if self.pin_memory else None
-        if device is None:
-            return get_batch
-        if (getattr(get_batch, "__func__", None) is TokenDataset.get_batch  # not overridden
-                and not self.dataset.document_boundaries):  # widened straight into pinned tensors
-            into, pinned = self.dataset._get_batch_into, _pinned_int64
-            return lambda index: into(index, pinned)
-        return lambda index: _pin_memory(get_batch(index), device)
-
-    def _read_batches(self, indices: Iterator[int]) -> Iterator[Any]:
-        """The batches of one iter(), as torch's single-process iterator makes them (run in the
-        Prefetcher's thread): items through ``__getitems__`` or ``__getitem__``, then collate."""
-        dataset, size = self.dataset, self.batch_size
-        device = _pin_device() if self.pin_memory else None
-        get_items = getattr(dataset, "__getitems__", None)
-        next_batch = None if size is None else batch_indices(indices, size, self.drop_last)
-        while True:
-            if next_batch is None:
-                index = next(indices, None)
-                if index is None:
-                    return
-                batch = self.collate_fn(dataset[index])
-            else:
-                index = next_batch()
-                if index is None:
-                    return
-                index = index.tolist() if isinstance(index, np.ndarray) else index
-                batch = self.collate_fn(get_items(index) if get_items else [dataset[i] for i in index])
-            yield batch if device is None else _pin_memory(batch, device)
-
-    def _expanded(self, compact_batches: Iterator[Any]) -> Iterator[Any]:
-        """The inner loader's compact batches, widened to the dataset's batches here."""
-        device = _pin_device() if self.pin_memory else None
-        return _Expanding(compact_batches, self.dataset.expand_batch, device)
+    def _finish(self) -> Callable[[Any], Any] | None:
+        """What this process does to each batch made: expand a compact one, pin (None: nothing)."""
+        expand = self.dataset.expand_batch if self._make.how == "compact" else None
+        pin = self.pin_memory and _pin_device() is not None
+        if expand is None:
+            return pin_batch if pin else None
+        return (lambda batch: pin_batch(expand(batch))) if pin else expand
 
     def _stop_live(self, reason: str) -> None:
         """Stop the live iterator (its ``next()`` then raises RuntimeError(``reason``)), its
@@ -339,7 +418,7 @@ class DataLoader(torch.utils.data.DataLoader):
     def __len__(self) -> int:
         """Batches the next ``iter()`` yields on this rank, from the consumed position.
 
-        >>> len(tc.DataLoader(range(10), batch_size=4))  # doctest: +SKIP
+        >>> len(tc.DataLoader(range(10), batch_size=4))
         3
         """
         count = self.sampler.iteration_length(self.consumed)
@@ -350,9 +429,11 @@ class DataLoader(torch.utils.data.DataLoader):
     def state_dict(self) -> dict[str, Any]:
         """Small JSON-serialisable state: the consumed global position plus what must match.
 
-        >>> state = loader.state_dict()  # doctest: +SKIP
-        >>> state["consumed"], state["fingerprint"]  # doctest: +SKIP
-        (320, '9c1f.../seq2048')
+        >>> loader = tc.DataLoader(range(100), batch_size=8, shuffle=True)
+        >>> _ = next(iter(loader))
+        >>> state = loader.state_dict()
+        >>> state["consumed"], state["seed"], state["shuffle"], state["num_samples"]
+        (8, 0, True, 100)
         """
         sampler = self.sampler
         consumed = self.consumed
@@ -372,7 +453,7 @@ class DataLoader(torch.utils.data.DataLoader):
             "consumed": consumed,
             "seed": sampler.seed,
             "shuffle": sampler.shuffle,
-            "num_samples": None if sampler.growing else sampler.num_samples,
+            "num_samples": None if sampler.growing else sampler.dataset_size,
             "window": sampler.window,
             "fingerprint": fingerprint,
             "world_size": sampler.world_size,
@@ -402,8 +483,15 @@ class DataLoader(torch.utils.data.DataLoader):
         RuntimeError saying to call ``iter(loader)`` again, which starts at the loaded state. A
         refused state changes nothing, and a live iterator goes on.
 
-        >>> loader.load_state_dict(json.loads(Path("loader.json").read_text()))  # doctest: +SKIP
-        >>> batch = next(iter(loader))  # the batch after the last one the saved run received  # doctest: +SKIP
+        >>> import json
+        >>> first = tc.DataLoader(range(10), batch_size=4, shuffle=True)
+        >>> received = next(iter(first))
+        >>> saved = json.dumps(first.state_dict())  # with the checkpoint
+        >>> again = tc.DataLoader(range(10), batch_size=4, shuffle=True)  # after a restart
+        >>> again.load_state_dict(json.loads(saved))
+        >>> rest = [batch for batch in again]  # the batches after the last one received
+        >>> sorted(torch.cat([received, *rest]).tolist()) == list(range(10))
+        True
         """
         if isinstance(state, Mapping) and state.get("format") == "torchcache.sampler":
             raise ValueError(
@@ -502,36 +590,89 @@ def _edits_future(dataset: Any) -> bool:
                for name in ("resume_prefix", "resume_fingerprint", "check_resume"))
 
 
-def _batched_dataset(dataset: Any) -> bool:
-    """A TokenDataset or PackedDataset whose items are the standard ones (no subclass changed
-    __getitems__): its batches are read whole (get_batch) or sent compact (compact_batch)."""
-    return any(isinstance(dataset, kind) and type(dataset).__getitems__ is kind.__getitems__
-               for kind in (TokenDataset, PackedDataset))
+class _Batches(torch.utils.data.Dataset):
+    """The dataset as its batches: item ``indices`` is the batch of those samples, made in one
+    call (``get_batch``, ``compact_batch``) or from its items and the collate function.
 
-
-class _WorkerWindows(torch.utils.data.Dataset):
-    """A TokenDataset (or PackedDataset) seen as its compact batches' rows: what workers read
-    for compact transfer.
-
-    Item ``i`` is window ``i`` in the cache's dtype (viewed as a signed torch type), with the
-    document-boundary fields when the dataset has them. ``__getitems__`` is one batched read,
-    returned as a list of rows as torch's fetcher expects; the default collate stacks them back
-    into :meth:`TokenDataset.compact_batch`'s batch, which :meth:`TokenDataset.expand_batch`
-    widens in the main process.
+    What worker processes read (torch's ``batch_size=None`` pattern: each index the sampler
+    gives is a whole batch's indices), and what this process reads with in the other modes.
+    ``how``: ``"batch"``, ``"compact"``, ``"items"`` (``__getitems__`` or ``__getitem__``, then
+    collate) or ``"one"`` (one sample, no batching: ``collate_fn(dataset[index])``).
     """
 
-    def __init__(self, dataset: TokenDataset | PackedDataset) -> None:
-        self.dataset = dataset
+    def __init__(self, dataset: Any, collate_fn: Callable[[Any], Any], how: str) -> None:
+        self.dataset, self.collate_fn, self.how = dataset, collate_fn, how
 
-    def __len__(self) -> int:
-        return len(self.dataset)
+    def __getitem__(self, indices: Any) -> Any:
+        dataset, how = self.dataset, self.how
+        if how == "batch":
+            return dataset.get_batch(indices)
+        if how == "compact":
+            return dataset.compact_batch(indices)
+        if how == "one":
+            return self.collate_fn(dataset[indices])
+        indices = indices.tolist() if isinstance(indices, np.ndarray) else list(indices)
+        get_items = getattr(dataset, "__getitems__", None)
+        items = get_items(indices) if get_items is not None else [dataset[i] for i in indices]
+        return self.collate_fn(items)
 
-    def __getitem__(self, index: int) -> dict[str, torch.Tensor]:
-        return self.__getitems__([index])[0]
 
-    def __getitems__(self, indices: list[int]) -> list[dict[str, torch.Tensor]]:
-        batch = self.dataset.compact_batch(indices)
-        return [dict(zip(batch, row)) for row in zip(*batch.values())]
+def _start_worker(worker_init_fn: Callable[[int], None] | None, worker_id: int) -> None:
+    """First thing in a worker process: the caches its dataset reads (a dataset's ``cache``,
+    and those of a mixture's sources) are replaced by copies that read with pread only
+    (``map_bytes=0``), so that the worker's RSS stays flat; then the user's worker_init_fn."""
+    view = torch.utils.data.get_worker_info().dataset
+    _read_with_pread(view.dataset, {})
+    if worker_init_fn is not None:
+        worker_init_fn(worker_id)
+
+
+def _read_with_pread(dataset: Any, copies: dict[int, tuple[TokenCache, TokenCache]]) -> None:
+    """(In a worker) give ``dataset`` and its sources pread-only copies of their caches (one
+    copy per cache: ``copies`` maps id(cache) -> (cache, its copy), the cache kept alive)."""
+    cache = getattr(dataset, "cache", None)
+    if isinstance(cache, TokenCache) and cache.map_bytes:
+        if id(cache) not in copies:
+            copies[id(cache)] = (cache, cache.with_map_bytes(0))
+        dataset.cache = copies[id(cache)][1]
+    sources = getattr(dataset, "datasets", None)
+    if isinstance(sources, Mapping):
+        for source in sources.values():
+            _read_with_pread(source, copies)
+
+
+class _BatchIndices(torch.utils.data.Sampler):
+    """The sampler's indices in batches, for the workers' loader: each ``iter()`` starts the
+    sampler at its position then (the loader sets it first)."""
+
+    def __init__(self, sampler: DistributedSampler, batch_size: int | None, drop_last: bool) -> None:
+        self.sampler, self.batch_size, self.drop_last = sampler, batch_size, drop_last
+
+    def __iter__(self) -> Iterator[Any]:
+        take = batch_indices(iter(self.sampler), self.batch_size, self.drop_last)
+        while (index := take()) is not None:
+            yield index
+
+
+def _as_is(batch: Any) -> Any:
+    """The workers' loader's collate_fn: a worker's batch is already made."""
+    return batch
+
+
+def _one_at_a_time(make: Callable[[Any], Any]) -> Callable[[Any], Any]:
+    """``make`` called by one thread at a time (a dataset that never said it is thread-safe)."""
+    lock = threading.Lock()
+
+    def made_alone(indices: Any) -> Any:
+        with lock:
+            return make(indices)
+    return made_alone
+
+
+def _synchronous(take: Callable[[], Any], read: Callable[[Any], Any]) -> Iterator[Any]:
+    """The synchronous mode: each batch made when asked for."""
+    while (index := take()) is not None:
+        yield read(index)
 
 
 def _pin_device() -> str | None:
@@ -543,28 +684,22 @@ def _pin_device() -> str | None:
     return None if device is None or device.type == "mps" else device.type
 
 
-def _pinned_int64(shape: tuple[int, ...]) -> torch.Tensor:
-    """An int64 tensor in page-locked memory (for the current accelerator)."""
-    return torch.empty(shape, dtype=torch.int64, pin_memory=True)
-
-
 def _num_batches(count: int, batch_size: int, drop_last: bool) -> int:
     return count // batch_size if drop_last else -(-count // batch_size)
 
 
-class _Expanding:
-    """Widens an inner loader iterator's compact batches; the inner iterator's attributes
-    (torch's ``_workers``, ...) stay reachable through it."""
+class _Finished:
+    """The workers' batches, finished in this process (expanded, pinned); the inner iterator's
+    attributes (torch's ``_workers``, ...) stay reachable through it."""
 
-    def __init__(self, inner: Iterator[Any], expand: Any, device: str | None) -> None:
-        self._inner, self._expand, self._device = inner, expand, device
+    def __init__(self, inner: Iterator[Any], finish: Callable[[Any], Any]) -> None:
+        self._inner, self._finish = inner, finish
 
-    def __iter__(self) -> "_Expanding":
+    def __iter__(self) -> "_Finished":
         return self
 
     def __next__(self) -> Any:
-        batch = self._expand(next(self._inner))
-        return batch if self._device is None else _pin_memory(batch, self._device)
+        return self._finish(next(self._inner))
 
     def __getattr__(self, name: str) -> Any:
         if name == "_inner":

@@ -4,22 +4,48 @@
 index reads is decided by its :class:`~torchcache.MixtureSchedule` (see
 :mod:`torchcache.order.schedule` for the algorithm), a pure function of the weights or stages, the
 seed, the block size and the sources' lengths.
+
+Any sized map-style datasets mix (here, lists of tensors); a batch is read a source at a time:
+
+>>> web = [torch.tensor([i]) for i in range(1000)]
+>>> code = [torch.tensor([-i]) for i in range(100)]
+>>> mix = tc.MixtureDataset({"web": web, "code": code}, {"web": 0.75, "code": 0.25}, seed=0,
+...                         block_size=8)
+>>> mix.source_counts(0, 1000)  # exact shares in every block of 8
+{'web': 750, 'code': 250}
+>>> [mix.source_of(i) for i in range(8)].count("code")
+2
+>>> source, local = mix.locate([0, 1, 2])
+>>> torch.equal(mix[2], mix.datasets[mix.names[source[2]]][local[2]])
+True
+>>> batch = mix.get_batch(np.arange(8))  # each source read once, the rows put back in order
+>>> torch.equal(batch, torch.stack([mix[i] for i in range(8)]))
+True
+>>> loader = tc.DataLoader(mix, batch_size=4)  # in-process, through get_batch
+>>> it = iter(loader)
+>>> torch.equal(next(it), batch[:4]), loader.state_dict()["consumed"]
+(True, 4)
+>>> mix.source_epochs(10_000)["code"]  # samples read / source length: a 25x repeat
+25.0
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from fractions import Fraction
 from typing import Any
 
 import numpy as np
-from torch.utils.data import Dataset
+import torch
+from torch.utils.data import Dataset, default_collate
 
 from .._util.args import POSITION_LIMIT, bool_arg, int_arg, optional_int_arg
 from ..order.permutation import PERMUTATION_ALGORITHM
-from .dataset import knows_content
+from ..read.cache import gather_rows
+from .dataset import TokenDataset, knows_content
+from .loader import batched_reader
 from ..order.schedule import MIXTURE_ALGORITHM, MixtureSchedule, group_by, prefix_difference
 
 __all__ = ["MixtureDataset", "MIXTURE_ALGORITHM"]
@@ -128,9 +154,11 @@ class MixtureDataset(Dataset):
 
     >>> web, code = tc.TokenDataset("web", 2048), tc.TokenDataset("code", 2048)  # doctest: +SKIP
     >>> mix = tc.MixtureDataset({"web": web, "code": code}, {"web": 0.7, "code": 0.3}, seed=0)  # doctest: +SKIP
-    >>> loader = tc.DataLoader(mix, batch_size=8, num_workers=2)  # doctest: +SKIP
+    >>> loader = tc.DataLoader(mix, batch_size=8)  # doctest: +SKIP
     >>> mix.source_of(0), mix.source_counts(0, 1024)  # doctest: +SKIP
     ('web', {'web': 717, 'code': 307})
+
+    (The module's docstring has a runnable example.)
     """
 
     #: Every index ``i >= 0`` is valid; ``len()`` is only the size of one loader epoch.
@@ -184,6 +212,8 @@ class MixtureDataset(Dataset):
         elif total_samples is not None:
             int_arg(total_samples, "total_samples", 1)
         self._fingerprint: str | None = None  # computed on first use (sources are fixed)
+        self._expander = self._shared_expander()
+        self._windows = self._shared_windows()
 
     def _check_sources_agree(self, mixed_tokenizers: bool, mixed_items: bool) -> None:
         """Refuse sources with different tokenizers or item shapes (unless allowed); record the
@@ -394,19 +424,138 @@ class MixtureDataset(Dataset):
     def __getitems__(self, indices: Any) -> list[Any]:
         """Items of ``indices`` in order; each source is read once (its ``__getitems__`` if any).
 
-        >>> items = mix.__getitems__([0, 1, 2, 3])  # what a DataLoader worker calls  # doctest: +SKIP
+        >>> mix = tc.MixtureDataset({"a": [torch.tensor([i]) for i in range(10)],
+        ...                          "b": [torch.tensor([-i]) for i in range(10)]}, block_size=2)
+        >>> [mix.source_of(i) for i in range(4)], len(mix.__getitems__([0, 1, 2, 3]))
+        (['b', 'a', 'b', 'a'], 4)
         """
         source, local = self.schedule.locate(indices)
         source, local = source.reshape(-1), local.reshape(-1)
         out: list[Any] = [None] * source.size
         for k, where in group_by(source):
-            ds = self._datasets[k]
-            wanted = local[where].tolist()
-            get_items = getattr(ds, "__getitems__", None)
-            items = get_items(wanted) if get_items is not None else [ds[i] for i in wanted]
-            if len(items) != len(wanted):
-                raise RuntimeError(f"source {self.names[k]!r}.__getitems__ returned {len(items)} "
-                                   f"items for {len(wanted)} indices")
+            items = self._source_items(k, local[where].tolist())
             for pos, item in zip(where.tolist(), items):
                 out[pos] = item
         return out
+
+    def get_batch(self, indices: Sequence[int]) -> Any:
+        """Items ``indices`` already batched: equal to ``default_collate(mix.__getitems__(indices))``.
+
+        The indices are grouped by source and each group is read in one call: the source's own
+        ``get_batch`` where it has one (else its items, collated by torch's
+        ``default_collate``); the rows then go back in the order of ``indices``. Sources of one
+        ``compact_format`` (TokenDatasets of one seq_len and labels over caches of one dtype,
+        say) are read as compact rows instead, put in order, and expanded once for the whole
+        batch: about the cost of one source's batch. This is the batched protocol
+        :class:`torchcache.DataLoader` reads a dataset with (see its docs), so a mixture takes
+        the same fast path as its sources.
+
+        >>> mix = tc.MixtureDataset({"a": [{"ids": torch.tensor([i])} for i in range(10)],
+        ...                          "b": [{"ids": torch.tensor([-i])} for i in range(10)]},
+        ...                         block_size=2)
+        >>> batch = mix.get_batch([0, 1, 2, 3])
+        >>> batch["ids"].shape, [mix.source_of(i) for i in range(4)]
+        (torch.Size([4, 1]), ['b', 'a', 'b', 'a'])
+        >>> torch.equal(batch["ids"], torch.utils.data.default_collate(mix.__getitems__([0, 1, 2, 3]))["ids"])
+        True
+        """
+        source, local = self.schedule.locate(indices)
+        source, local = source.reshape(-1), local.reshape(-1)
+        if self._windows is not None:  # every source's token windows in one array, widened once
+            first = self._windows  # (local indices are in range: the schedule's lengths)
+            windows = gather_rows([ds.cache for ds in self._datasets], source,
+                                  local * first.seq_len, first.seq_len + 1)
+            return first.batch_from_windows(windows)
+        groups = list(group_by(source))
+        if len(groups) <= 1:  # all from one source: its batch as it is
+            return self._source_batch(groups[0][0] if groups else 0, local)
+        if self._expander is not None:  # the rows compact, expanded once for the whole batch
+            parts = [(where, self._datasets[k].compact_batch(local[where])) for k, where in groups]
+            return self._expander.expand_batch(_merge_rows(parts, source.size, self.names))
+        parts = [(where, self._source_batch(k, local[where])) for k, where in groups]
+        return _merge_rows(parts, source.size, self.names)
+
+    def _shared_windows(self) -> TokenDataset | None:
+        """The first source, if every source is a TokenDataset read
+        as such (its batches not redefined by a subclass) of one ``compact_format`` without
+        document boundaries: then a batch is their windows read into one array by one
+        :func:`gather_rows` call and widened once by the first source."""
+        first = self._datasets[0]
+        for ds in self._datasets:
+            if not (isinstance(ds, TokenDataset) and type(ds).get_batch is TokenDataset.get_batch
+                    and batched_reader(ds) is not None and not ds.document_boundaries
+                    and ds.compact_format == first.compact_format):
+                return None
+        return first
+
+    def _shared_expander(self) -> Any:
+        """The first source, if every source makes whole batches and compact ones of one
+        ``compact_format`` (so any source's ``expand_batch`` expands the rows of all); else None."""
+        formats = {getattr(ds, "compact_format", None) for ds in self._datasets}
+        if len(formats) != 1 or None in formats:
+            return None
+        for ds in self._datasets:
+            if batched_reader(ds) is None or not (callable(getattr(ds, "compact_batch", None))
+                                                  and callable(getattr(ds, "expand_batch", None))):
+                return None
+        return self._datasets[0]
+
+    def _source_items(self, k: int, wanted: list[int]) -> list[Any]:
+        """Items ``wanted`` of source ``k`` (its ``__getitems__`` if any)."""
+        ds = self._datasets[k]
+        get_items = getattr(ds, "__getitems__", None)
+        items = get_items(wanted) if get_items is not None else [ds[i] for i in wanted]
+        if len(items) != len(wanted):
+            raise RuntimeError(f"source {self.names[k]!r}.__getitems__ returned {len(items)} "
+                               f"items for {len(wanted)} indices")
+        return items
+
+    def _source_batch(self, k: int, local: np.ndarray) -> Any:
+        """Samples ``local`` of source ``k`` as one batch, read in one call."""
+        get_batch = batched_reader(self._datasets[k])
+        if get_batch is not None:
+            return get_batch(local)
+        return default_collate(self._source_items(k, local.tolist()))
+
+
+def _merge_rows(parts: list[tuple[np.ndarray, Any]], n: int, names: tuple[str, ...]) -> Any:
+    """One batch of ``n`` rows from ``(positions, batch of the rows at those positions)`` parts:
+    tensors row by row (their first dimension), dicts and tuples field by field, lists of
+    strings (what ``default_collate`` makes of str items) item by item."""
+    first = parts[0][1]
+    if isinstance(first, torch.Tensor):
+        shape = first.shape[1:]
+        out = first.new_empty((n, *shape))
+        for where, part in parts:
+            if not isinstance(part, torch.Tensor) or part.shape[1:] != shape:
+                raise ValueError(
+                    f"the sources' batches differ ({tuple(first.shape)} and "
+                    f"{tuple(getattr(part, 'shape', ()))} for {len(where)} rows): a mixture of "
+                    f"{', '.join(map(repr, names))} cannot be batched by default; pass a "
+                    "collate_fn to the DataLoader that handles both")
+            _put_rows(out, where, part)
+        return out
+    if isinstance(first, Mapping):
+        return {key: _merge_rows([(w, p[key]) for w, p in parts], n, names) for key in first}
+    if isinstance(first, (tuple, list)) and first and not isinstance(first[0], (str, bytes)):
+        fields = [_merge_rows([(w, p[i]) for w, p in parts], n, names) for i in range(len(first))]
+        if isinstance(first, tuple):
+            return type(first)(*fields) if hasattr(first, "_fields") else tuple(fields)
+        return fields
+    if isinstance(first, list):
+        out_items: list[Any] = [None] * n
+        for where, part in parts:
+            for pos, item in zip(where.tolist(), part):
+                out_items[pos] = item
+        return out_items
+    raise TypeError(f"cannot put the rows of a {type(first).__name__} batch back in order; pass a "
+                    "collate_fn to the DataLoader (the mixture's items are then collated)")
+
+
+def _put_rows(out: torch.Tensor, where: np.ndarray, part: torch.Tensor) -> None:
+    """``out[where] = part`` (rows): through numpy where it can (several times faster than
+    torch's indexing for a batch's few rows), else with torch."""
+    try:
+        out.numpy()[where] = part.numpy()
+    except (TypeError, RuntimeError):  # not on the CPU, no numpy dtype (bfloat16), needs grad
+        out.index_copy_(0, torch.from_numpy(where).to(out.device), part.to(out.dtype))

@@ -3,7 +3,38 @@
 Row ``i`` of a pack plan (best fit decreasing per block, see :mod:`torchcache.order.packing` and
 :mod:`torchcache.read.pack_plan`) is read as its documents back to back, then padding. Rows are
 map-style, so :class:`torchcache.DistributedSampler` shuffles them over the whole epoch and a
-loader's state resumes them exactly, at any world size.
+loader's state resumes them exactly, at any world size. A batch is one gather of all its rows'
+document pieces, then whole-batch numpy for the labels and positions.
+
+Four documents, built into a tiny cache here (a word-level tokenizer), packed in rows of 8:
+
+>>> import tempfile
+>>> from tokenizers import Tokenizer, models, pre_tokenizers
+>>> vocab = dict(zip("the cat sat on a mat dog ran far <eos> [UNK]".split(), range(11)))
+>>> tokenizer = Tokenizer(models.WordLevel(vocab, unk_token="[UNK]"))
+>>> tokenizer.pre_tokenizer = pre_tokenizers.Whitespace()
+>>> tmp = tempfile.TemporaryDirectory()
+>>> docs = ["the cat sat on a mat", "a dog ran far", "the dog sat", "the cat ran on and on and on far"]
+>>> built = tc.build_cache(iter(docs), f"{tmp.name}/cache", tokenizer, eos="<eos>",
+...                        num_workers=1, progress=False)
+>>> ds = tc.PackedDataset(f"{tmp.name}/cache", seq_len=8)
+>>> len(ds), ds.split_documents, ds.padding_fraction  # the 10-token document is cut in two
+(4, 1, 0.1875)
+>>> ds.row_documents(2)  # (document, start, end): document 1, then the rest of document 3
+[(1, 0, 5), (3, 8, 10)]
+>>> batch = ds.get_batch([1, 2])
+>>> batch["input_ids"].tolist()  # padded with the EOS id (9)
+[[0, 1, 2, 3, 4, 5, 9, 9], [4, 6, 7, 8, 9, 8, 9, 9]]
+>>> batch["labels"].tolist()  # the next token inside a document, else -100
+[[1, 2, 3, 4, 5, 9, -100, -100], [6, 7, 8, 9, -100, 9, -100, -100]]
+>>> batch["position_ids"].tolist(), batch["num_segments"].tolist()
+([[0, 1, 2, 3, 4, 5, 6, 0], [0, 1, 2, 3, 4, 0, 1, 0]], [1, 2])
+>>> batch["cu_seqlens"][:, :3].tolist()  # where each document starts, then where they end
+[[0, 7, 8], [0, 5, 7]]
+>>> loader = tc.DataLoader(ds, batch_size=2, shuffle=True)  # in-process, 4 batches ahead
+>>> [b["input_ids"].shape for b in loader]
+[torch.Size([2, 8]), torch.Size([2, 8])]
+>>> ds.cache.close(); tmp.cleanup()
 """
 
 from __future__ import annotations
@@ -15,6 +46,7 @@ import numpy as np
 import torch
 
 from .._util.args import POSITION_LIMIT, choice_arg, int_arg, optional_int_arg
+from .collate import IGNORE_INDEX
 from .dataset import GrowingDataset, open_cache
 from ..read.pack_plan import PackPlan, plan_identity
 from ..order.packing import LONG_DOCS
@@ -24,7 +56,6 @@ __all__ = ["PackedDataset"]
 
 _TOKENS = "__torchcache_packed_tokens__"  # a compact batch's tokens, [rows, seq_len + 1]
 _CONTINUES = "__torchcache_packed_continues__"  # the row's last token has a next token (split piece)
-IGNORE_INDEX = -100
 
 
 class PackedDataset(GrowingDataset):
@@ -108,6 +139,13 @@ class PackedDataset(GrowingDataset):
         return (f"packed rows of seq_len={self.seq_len} (input_ids, labels, position_ids, "
                 f"cu_seqlens[{self.max_segments + 1}], num_segments)")
 
+    @property
+    def compact_format(self) -> tuple[Any, ...]:
+        """What :meth:`expand_batch` depends on: PackedDatasets of equal ``compact_format``
+        expand each other's compact batches (one row per sample) alike, so a mixture of them
+        expands its batch's rows once (see :meth:`torchcache.MixtureDataset.get_batch`)."""
+        return ("packed rows", str(self.cache.dtype), self.seq_len, self.max_segments, self.pad_id)
+
     def __len__(self) -> int:
         return self.plan.rows
 
@@ -173,38 +211,22 @@ class PackedDataset(GrowingDataset):
     def get_batch(self, indices: Sequence[int]) -> dict[str, torch.Tensor]:
         """Rows ``indices`` already batched: equal to ``default_collate(ds.__getitems__(indices))``.
 
-        >>> batch = ds.get_batch([0, 1, 2, 3])  # doctest: +SKIP
-        >>> batch["input_ids"].shape, batch["cu_seqlens"].shape  # doctest: +SKIP
-        (torch.Size([4, 2048]), torch.Size([4, 2049]))
+        One gather of all the rows' document ranges, then a few whole-batch numpy operations
+        for the labels and positions (nothing per row or per document in Python).
         """
-        return self.expand_batch(self.compact_batch(indices))
+        tokens, cu, num_segments, continues, stops = self._read_rows(self._check(indices))
+        return self._training_batch(tokens, cu, num_segments, stops)
 
     def compact_batch(self, indices: Sequence[int]) -> dict[str, torch.Tensor]:
         """The rows as stored tokens in the cache's dtype plus their segment table: what a
         DataLoader worker sends (4-8x less than the int64 batch); :meth:`expand_batch` widens it.
         """
-        idx = self._check(indices)
-        n, C, cap = len(idx), self.seq_len, self.max_segments
-        segments = self.plan.segments(idx)
-        tokens = np.zeros((n, C + 1), dtype=self.cache.dtype)
-        first = np.cumsum(segments.count) - segments.count  # each row's first segment
-        within = np.arange(len(segments.row)) - np.repeat(first, segments.count)
-        total = np.cumsum(segments.length)
-        ends = total - np.repeat((total - segments.length)[first], segments.count)  # in the row
-        offset_in_row = ends - segments.length
-        # a split piece fills its row; its document's next token goes in the extra last column
-        read_len = segments.length + segments.continues
-        self.cache.read_ranges(segments.start, read_len, tokens, segments.row * (C + 1) + offset_in_row)
-        cu = np.full((n, cap + 1), C, dtype=np.int32)
-        cu[:, 0] = 0
-        cu[segments.row, within + 1] = ends
-        continues = np.zeros(n, dtype=bool)
-        continues[segments.row[segments.continues]] = True
+        tokens, cu, num_segments, continues, _ = self._read_rows(self._check(indices))
         signed = np.int16 if tokens.dtype.itemsize == 2 else np.int32
         return {_TOKENS: torch.from_numpy(tokens.view(signed)),
                 _CONTINUES: torch.from_numpy(continues),
                 "cu_seqlens": torch.from_numpy(cu),
-                "num_segments": torch.from_numpy(segments.count.astype(np.int64))}
+                "num_segments": torch.from_numpy(num_segments)}
 
     def expand_batch(self, compact: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """A :meth:`compact_batch` as the training batch (int64 ids, labels and positions)."""
@@ -212,34 +234,90 @@ class PackedDataset(GrowingDataset):
             raise TypeError(f"compact must be a batch made by compact_batch(), got "
                             f"{type(compact).__name__}")
         tokens = compact[_TOKENS].numpy().view(self.cache.dtype)
-        cu = compact["cu_seqlens"].numpy()
-        num_segments = compact["num_segments"].numpy()
-        continues = compact[_CONTINUES].numpy()
+        cu, num_segments = compact["cu_seqlens"].numpy(), compact["num_segments"].numpy()
+        C = self.seq_len
+        # the pieces back from the table: row r's ends are cu[r, 1:num_segments[r] + 1]; each
+        # ends its document but a split piece, the one piece of a continuing row, ending at C
+        most = int(num_segments.max()) if len(num_segments) else 0
+        ends = cu[:, 1:most + 1].astype(np.int64)
+        document_ends = ((np.arange(most) < num_segments[:, None])
+                         & ~(compact[_CONTINUES].numpy()[:, None] & (ends == C)))
+        ends += np.arange(0, len(cu) * C, C)[:, None]
+        return self._training_batch(tokens, cu, num_segments, ends[document_ends])
+
+    def _read_rows(self, idx: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+        """``(tokens, cu_seqlens, num_segments, continues, stops)`` of checked rows ``idx``.
+
+        ``tokens`` (rows, seq_len + 1) holds each row's documents back to back (zeros after
+        them), read in one gather; a split piece fills its row, and its document's next token
+        goes in the extra last column (``continues`` marks those rows). ``stops``: where each
+        piece that ends its document ends, as a position in the flat (rows, seq_len) batch.
+        """
+        n, C = len(idx), self.seq_len
+        segments = self.plan.segments(idx)
+        row, length, count, piece_continues = segments.row, segments.length, segments.count, segments.continues
+        tokens = np.zeros((n, C + 1), dtype=self.cache.dtype)
+        cu = np.full((n, self.max_segments + 1), C, dtype=np.int32)
+        cu[:, 0] = 0
+        if len(length) == n:  # one piece in every row (a plan has no empty row): most rows of books
+            self.cache.read_ranges(segments.start, length + piece_continues, tokens,
+                                   np.arange(0, n * (C + 1), C + 1))
+            cu[:, 1] = length
+            continues = piece_continues
+            stops = np.arange(0, n * C, C) + length
+        else:
+            first = np.cumsum(count) - count  # each row's first piece
+            total = np.cumsum(length)
+            end = total - (total - length)[first][row]  # where each piece ends, in its row
+            self.cache.read_ranges(segments.start, length + piece_continues, tokens,
+                                   row * (C + 1) + end - length)
+            cu[row, np.arange(len(end)) - first[row] + 1] = end
+            continues = np.zeros(n, dtype=bool)
+            continues[row[piece_continues]] = True
+            stops = row * C + end
+        return tokens, cu, count.astype(np.int64, copy=False), continues, stops[~piece_continues]
+
+    def _training_batch(self, tokens: np.ndarray, cu: np.ndarray, num_segments: np.ndarray,
+                        stops: np.ndarray) -> dict[str, torch.Tensor]:
+        """The int64 batch of rows read by :meth:`_read_rows`: ids (padding set to ``pad_id``),
+        labels (the next token inside a document, else -100) and positions (restarting at
+        every document and at the padding)."""
         n, C = tokens.shape[0], self.seq_len
-        # every row as segments: its documents, then the padding (maybe empty) up to C; flat
-        ext = np.concatenate([cu, np.full((n, 1), C, dtype=cu.dtype)], axis=1).astype(np.int64)
-        bounds = ext[np.arange(ext.shape[1])[None, :] <= num_segments[:, None] + 1]
-        per_row = num_segments + 2
-        last = np.cumsum(per_row) - 1  # each row's final bound (C): no segment starts there
-        starts = np.delete(bounds, last)
-        lengths = np.delete(bounds[1:], last[:-1]) - starts if n else starts
-        row = np.repeat(np.arange(n), per_row - 1)
-        flat_starts = row * C + starts
-        padding = np.zeros(len(starts), dtype=bool)
-        padding[np.cumsum(per_row - 1) - 1] = True  # the last segment of each row
-        position_ids = np.arange(n * C, dtype=np.int64) - np.repeat(flat_starts, lengths)
-        input_ids = tokens[:, :C].astype(np.int64).reshape(-1)
-        labels = tokens[:, 1:].astype(np.int64).reshape(-1)
-        ends = (flat_starts + lengths - 1)[~padding]  # a document's last token: no next token
-        labels[ends] = IGNORE_INDEX
-        if lengths[padding].any():  # (most rows are full: no mask over the whole batch then)
-            is_pad = np.repeat(padding, lengths)
-            input_ids[is_pad] = self.pad_id
-            labels[is_pad] = IGNORE_INDEX
-        cut = np.flatnonzero(continues)  # a split piece: its last label is the document's next token
-        labels[cut * C + C - 1] = tokens[cut, C].astype(np.int64)
-        input_ids, labels = input_ids.reshape(n, C), labels.reshape(n, C)
-        position_ids = position_ids.reshape(n, C)
+        input_ids = tokens[:, :C].astype(np.int64)
+        labels = tokens[:, 1:].astype(np.int64)
+        flat_labels = labels.reshape(-1)
+        flat_labels[stops - 1] = IGNORE_INDEX  # a document's last token has no next token
+        position_ids = np.empty((n, C), dtype=np.int64)
+        position_ids[:] = np.arange(C)
+        restarts = np.flatnonzero(cu[:, 1] < C)  # rows where something follows the first piece
+        if restarts.size:  # most rows hold one full piece: nothing more to do then
+            # their runs (the pieces, then the padding) from the table, with a column past the last
+            most = int(num_segments[restarts].max())
+            bounds = np.full((restarts.size, most + 2), C, dtype=np.int64)
+            bounds[:, :-1] = cu[restarts, :most + 1]
+            used = bounds[np.arange(restarts.size), num_segments[restarts]]  # where padding starts
+            padded = used < C
+            self._pad(input_ids, labels, restarts[padded], used[padded])
+            # a position is its column less its run's start
+            starts = bounds[:, :-1] + np.arange(0, restarts.size * C, C)[:, None]
+            within = np.arange(restarts.size * C)
+            within -= starts.reshape(-1).repeat((bounds[:, 1:] - bounds[:, :-1]).reshape(-1))
+            position_ids[restarts] = within.reshape(-1, C)
         return {"input_ids": torch.from_numpy(input_ids), "labels": torch.from_numpy(labels),
                 "position_ids": torch.from_numpy(position_ids),
-                "cu_seqlens": compact["cu_seqlens"], "num_segments": compact["num_segments"]}
+                "cu_seqlens": torch.from_numpy(cu), "num_segments": torch.from_numpy(num_segments)}
+
+    def _pad(self, input_ids: np.ndarray, labels: np.ndarray, rows: np.ndarray, used: np.ndarray) -> None:
+        """Set ``pad_id`` and -100 in rows ``rows`` from column ``used`` on: a slice per row for
+        a few rows (the usual batch of long documents), else one scatter for all of them."""
+        if len(rows) <= 8:
+            for r, u in zip(rows.tolist(), used.tolist()):
+                input_ids[r, u:] = self.pad_id
+                labels[r, u:] = IGNORE_INDEX
+        else:
+            C = self.seq_len
+            pad_len = C - used
+            at = np.repeat(rows * C + used - (np.cumsum(pad_len) - pad_len), pad_len)
+            at += np.arange(len(at))
+            input_ids.reshape(-1)[at] = self.pad_id
+            labels.reshape(-1)[at] = IGNORE_INDEX

@@ -6,7 +6,7 @@ run reads and how many times it goes through each source, from the caches' index
 (no token is read). ``torchcache mix plan recipe.yaml`` prints it. Example::
 
     seed: 0
-    block_size: 1024
+    block_size: 1024                    # the schedule's period: each 1024 samples hold exact shares
     seq_len: 2048                       # default for the sources
     steps: 100000                       # optimizer steps ...
     global_batch: 512                   # ... of this many samples (all ranks together)
@@ -89,7 +89,11 @@ class SourcePlan:
 
 @dataclass
 class RecipePlan:
-    """What a recipe reads: per stage and per source, samples, tokens and epochs."""
+    """What a recipe reads: per stage and per source, samples, tokens and epochs.
+
+    ``block_size`` is the mixture schedule's period (see :class:`torchcache.MixtureSchedule`),
+    in samples; it has nothing to do with the block files of the caches.
+    """
 
     path: str
     seed: int
@@ -144,7 +148,21 @@ def plan_recipe(path: str | os.PathLike, *, steps: int | None = None,
     reuses) its pack plan. RecipeError (a ValueError) names the file and key of a bad entry.
     ``storage_options`` and ``local_dir`` open remote sources, as in :class:`TokenCache`.
 
-    >>> print(plan_recipe("recipe.yaml").text())  # doctest: +SKIP
+    >>> import json, tokenizers
+    >>> tokenizer = tokenizers.Tokenizer(tokenizers.models.WordLevel(  # a toy: one word, one id
+    ...     {"<unk>": 0, "<|endoftext|>": 1, "hello": 2, "world": 3}, "<unk>"))
+    >>> tokenizer.pre_tokenizer = tokenizers.pre_tokenizers.Whitespace()
+    >>> for name, text in [("web", "hello world hello"), ("code", "world world")]:
+    ...     _ = tc.build_cache(iter([text] * 60), f"caches/{name}", tokenizer, progress=False)
+    >>> with open("recipe.json", "w") as f:
+    ...     json.dump({"seed": 0, "block_size": 10, "seq_len": 3, "samples": 100,
+    ...                "sources": {"web": {"path": "caches/web"}, "code": {"path": "caches/code"}},
+    ...                "weights": {"web": 0.7, "code": 0.3}}, f)
+    >>> plan = plan_recipe("recipe.json")
+    >>> plan.stages[0]["samples"], [s.samples for s in plan.sources]
+    ({'web': 70, 'code': 30}, [79, 59])
+    >>> print(plan.text().splitlines()[-2])  # read 70 of web's 79 samples: 0.886 epochs
+      web             70                 210     0.886
     """
     path = os.fspath(path)
     recipe = load_recipe(path)
@@ -156,7 +174,7 @@ def plan_recipe(path: str | os.PathLike, *, steps: int | None = None,
             raise RecipeError(f"{path}: {e}") from None
 
     seed = key_int("seed", recipe.get("seed", 0))
-    block_size = key_int("block_size", recipe.get("block_size", 1024), 1)
+    period = key_int("block_size", recipe.get("block_size", 1024), 1)  # the schedule's period
     default_seq = recipe.get("seq_len")
     steps = steps if steps is not None else recipe.get("steps")
     global_batch = global_batch if global_batch is not None else recipe.get("global_batch")
@@ -187,7 +205,7 @@ def plan_recipe(path: str | os.PathLike, *, steps: int | None = None,
         raise RecipeError(f"{path}: give either schedule (a list of {{start, weights}}) or weights")
     try:
         if "weights" in recipe:
-            schedule = MixtureSchedule(lengths, recipe["weights"], seed=seed, block_size=block_size)
+            schedule = MixtureSchedule(lengths, recipe["weights"], seed=seed, block_size=period)
         else:
             stages = recipe["schedule"]
             if not isinstance(stages, list):
@@ -198,7 +216,7 @@ def plan_recipe(path: str | os.PathLike, *, steps: int | None = None,
                     raise RecipeError(f"{path}: schedule[{i}] must be {{start: N, weights: {{...}}}}, "
                                       f"got {stage!r}")
                 pairs.append((stage["start"], stage["weights"]))
-            schedule = MixtureSchedule(lengths, schedule=pairs, seed=seed, block_size=block_size)
+            schedule = MixtureSchedule(lengths, schedule=pairs, seed=seed, block_size=period)
         if recipe.get("max_epochs_per_source") is not None:
             schedule.check_epochs(recipe["max_epochs_per_source"], total)
     except RecipeError:
@@ -206,7 +224,7 @@ def plan_recipe(path: str | os.PathLike, *, steps: int | None = None,
     except (TypeError, ValueError) as e:
         raise RecipeError(f"{path}: {e}") from None
 
-    plan = RecipePlan(path, seed, block_size, total, steps, global_batch, sources)
+    plan = RecipePlan(path, seed, period, total, steps, global_batch, sources)
     starts = [start for start, _ in schedule.stages] + [None]
     for i, ((start, proportions), stop) in enumerate(zip(schedule.stages, starts[1:])):
         if start >= total:

@@ -11,7 +11,6 @@ position 10**12 costs the same as at 0.
 
 from __future__ import annotations
 
-import math
 import time
 import warnings
 from collections.abc import Iterator, Mapping, Sized
@@ -36,8 +35,8 @@ _SAMPLER_FIELDS = ("format", "version", "counts", "position", "world_size", "alg
                    "shuffle", "num_samples", "window")
 _ITERATOR_FIELDS = _SAMPLER_FIELDS + ("remaining",)
 
-_CHUNK = 8192  # positions per rank mapped in one vectorised call while iterating (~40 ns each)
-_PERM_CACHE = 4  # Permutation objects kept (an iteration chunk spans at most a few epochs)
+_SLICE = 8192  # positions per rank mapped in one vectorised call while iterating (~40 ns each)
+_PERM_CACHE = 4  # Permutation objects kept (a slice of positions spans at most a few epochs)
 
 
 def _distributed_defaults() -> tuple[int, int]:
@@ -80,9 +79,11 @@ def _build_handle(build: Any) -> Any:
 class DistributedSampler(Sampler[int]):
     """Each rank's share of the global stream of permuted dataset indices.
 
-    The first five parameters are torch's, in torch's order:
-    ``tc.DistributedSampler(ds, 2, 1, False, 0)`` is rank 1 of 2, no shuffle, seed 0, as for
-    ``torch.utils.data.DistributedSampler``; the others are keyword-only.
+    The first six parameters are torch's, in torch's order:
+    ``tc.DistributedSampler(ds, 2, 1, False, 0, True)`` is rank 1 of 2, no shuffle, seed 0,
+    drop_last, as for ``torch.utils.data.DistributedSampler``; the others are keyword-only.
+    So are the attributes torch has: :attr:`num_samples` is what each rank yields per loader
+    epoch and :attr:`total_size` what all ranks yield; ``n`` itself is :attr:`dataset_size`.
 
     Args:
         dataset: anything with ``len()``; ``n = len(dataset)`` samples.
@@ -95,6 +96,11 @@ class DistributedSampler(Sampler[int]):
             already shuffled and every index ``>= 0`` is valid, so position ``p`` reads index
             ``p`` (``len(dataset)`` then only sets the loader-epoch size; ``window`` is refused).
         seed: permutation seed (>= 0); the same seed gives the same stream on every run.
+        drop_last: make loader epochs ``W * floor(n / W)`` positions long instead of
+            ``W * ceil(n / W)``, so no rank gets a position past ``n`` in the first epoch, as in
+            torch. Nothing is lost: the stream continues, so the positions an epoch leaves out
+            open the next one. It changes only where loader epochs end, not the stream (a state
+            saved with one value loads with the other). Needs ``n >= W``.
         world_size: alias of ``num_replicas`` (give one of them, or both equal).
         infinite: ``iter()`` never ends (continues across epochs), for step-based loops.
         max_epochs: stop the stream at global position ``max_epochs * E``, ``E`` below.
@@ -110,10 +116,11 @@ class DistributedSampler(Sampler[int]):
         build: optional :class:`torchcache.BuildHandle` of the background build; if it fails,
             the sampler raises its error instead of waiting.
 
-    Loader epochs: with ``E = W * ceil(n / W)``, loader epoch ``e`` is the global range
-    ``[e*E, (e+1)*E)``; it contains permutation epoch ``e``'s samples plus, when ``W`` does not
-    divide ``n``, the first ``E - n`` positions of the stream after it, so nothing is dropped or
-    repeated and every rank yields ``ceil(n / W)`` indices. ``iter()`` starts at
+    Loader epochs: with ``E = W * ceil(n / W)`` (:attr:`epoch_size`), loader epoch ``e`` is the
+    global range ``[e*E, (e+1)*E)``; it contains permutation epoch ``e``'s samples plus, when
+    ``W`` does not divide ``n``, the first ``E - n`` positions of the stream after it, so nothing
+    is dropped or repeated and every rank yields ``E / W = ceil(n / W)`` indices
+    (:attr:`num_samples`). With ``drop_last``, ``E = W * floor(n / W)``. ``iter()`` starts at
     :attr:`position` ``P`` and yields ``ceil((end - P) / W)`` indices on every rank, ``end`` being
     the end of the loader epoch containing ``P``; the next ``iter()`` continues after them.
     If ``P`` is not a multiple of ``W`` (elastic resume) the last few positions spill past
@@ -129,18 +136,21 @@ class DistributedSampler(Sampler[int]):
     :meth:`state_dict` records that *dispatched* position; :class:`torchcache.DataLoader`'s
     state records what the training loop *consumed* and drives this position itself.
 
-    Made over a dataset with a ``follow_sampler`` method (:class:`torchcache.TokenDataset`), it
-    hands the dataset its order, so a remote cache opened with a ``cache_limit`` fetches the
-    coming samples ahead and keeps the blocks needed soonest.
+    The sampler only computes indices: it never reads or changes its dataset or the dataset's
+    cache. (The order a remote cache under a ``cache_limit`` fetches ahead is given to it by
+    whoever reads, e.g. :class:`torchcache.DataLoader`.)
 
-    With ``shuffle=False`` the first loader epoch is exactly torch's (which pads the last
-    positions with the first indices, as the continuing stream does); torch repeats that epoch
-    while this stream moves on, so later epochs agree only when ``W`` divides ``n``.
+    With ``shuffle=False`` the first loader epoch is exactly torch's, with or without
+    ``drop_last`` (without it torch pads the last positions with the first indices, as the
+    continuing stream does; with it both stop at ``W * floor(n / W)``); torch repeats that
+    epoch while this stream moves on, so later epochs agree only when ``W`` divides ``n``.
 
     >>> sampler = tc.DistributedSampler(range(10), 2, 1, shuffle=False)  # rank 1 of 2
     >>> list(sampler)
     [1, 3, 5, 7, 9]
-    >>> loader = tc.DataLoader(ds, batch_size=8, sampler=tc.DistributedSampler(ds, seed=0))  # doctest: +SKIP
+    >>> loader = tc.DataLoader(range(20), batch_size=4, sampler=tc.DistributedSampler(range(20), seed=0))
+    >>> sorted(i for batch in loader for i in batch.tolist()) == list(range(20))  # one shuffled epoch
+    True
     """
 
     def __init__(
@@ -150,6 +160,7 @@ class DistributedSampler(Sampler[int]):
         rank: int | None = None,
         shuffle: bool = True,
         seed: int = 0,
+        drop_last: bool = False,
         *,
         world_size: int | None = None,
         infinite: bool = False,
@@ -160,7 +171,7 @@ class DistributedSampler(Sampler[int]):
         build: Any = None,
     ) -> None:
         self.dataset = dataset
-        self.num_samples = dataset_length(dataset)
+        self._dataset_size = dataset_length(dataset)
         self.window = optional_int_arg(window, "window", 1, POSITION_LIMIT)
         # Datasets with unbounded indices (tc.MixtureDataset): already shuffled, read in order.
         self.unbounded = bool(getattr(dataset, "unbounded_indices", False))
@@ -176,10 +187,11 @@ class DistributedSampler(Sampler[int]):
                 "the dataset's cache is still being built: pass window=W (e.g. 8192) to train on "
                 "its committed prefix (the first epoch is then shuffled within windows of W "
                 "samples), or wait for the build to finish")
-        if self.num_samples == 0 and not self._growing:
+        if self._dataset_size == 0 and not self._growing:
             raise ValueError("dataset is empty: DistributedSampler needs len(dataset) >= 1")
         self.seed = int_arg(seed, "seed", 0)
         self.shuffle = bool_arg(shuffle, "shuffle")
+        self.drop_last = bool_arg(drop_last, "drop_last")
         default_rank, default_world = _distributed_defaults()
         given = _replicas(num_replicas, world_size)
         # (rank, world) taken from torch.distributed's absence: checked again at iter()
@@ -192,29 +204,68 @@ class DistributedSampler(Sampler[int]):
         self.infinite = bool_arg(infinite, "infinite")
         self.max_epochs = optional_int_arg(max_epochs, "max_epochs", 0)
         self.max_samples = optional_int_arg(max_samples, "max_samples", 0)
+        if not self._growing:
+            self._check_drop_last()
 
         self.position = 0
         self._fresh = True  # never iterated or positioned: set_epoch may jump
         self._generation = 0  # bumped by iter()/set_position(); stale iterators stop writing position
         self._position_version = 0  # bumped by every set_position (see position_version)
         self._perms: LRUCache[Permutation] = LRUCache(_PERM_CACHE)
-        # Remote caches under a cache_limit fetch ahead in this order (TokenDataset.follow_sampler).
-        follow = getattr(dataset, "follow_sampler", None)
-        if callable(follow):
-            follow(self)
+
+    def _check_drop_last(self) -> None:
+        """ValueError if ``drop_last`` would leave no position at all (``n < W``)."""
+        if self.drop_last and self._dataset_size < self.world_size:
+            raise ValueError(
+                f"drop_last=True with len(dataset)={self._dataset_size} < num_replicas="
+                f"{self.world_size} leaves no sample for any rank: use drop_last=False (the "
+                "last positions then continue the stream) or fewer ranks")
 
     # -- the stream ---------------------------------------------------------------------------
 
     @property
+    def dataset_size(self) -> int:
+        """``n = len(dataset)``: the samples of one permutation epoch (while the cache is still
+        being built, the samples committed so far). Saved states call it ``"num_samples"``.
+
+        >>> tc.DistributedSampler(range(10), 4, 0).dataset_size
+        10
+        """
+        return self._dataset_size
+
+    @property
+    def num_samples(self) -> int | None:
+        """Indices each rank yields per loader epoch, as in torch: ``ceil(n / W)``, or
+        ``floor(n / W)`` with ``drop_last`` (None while the cache is still being built).
+
+        >>> tc.DistributedSampler(range(10), 4, 0).num_samples
+        3
+        >>> tc.DistributedSampler(range(10), 4, 0, drop_last=True).num_samples
+        2
+        """
+        size = self.epoch_size
+        return None if size is None else size // self.world_size
+
+    @property
     def epoch_size(self) -> int | None:
-        """``E = W * ceil(n / W)``: global positions per loader epoch (None while n is unknown).
+        """``E = W * num_samples``: global positions per loader epoch (None while n is unknown).
 
         >>> tc.DistributedSampler(range(10), 4, 0).epoch_size
         12
         """
         if self._growing:
             return None
-        return self.world_size * math.ceil(self.num_samples / self.world_size)
+        n, W = self._dataset_size, self.world_size
+        return W * (n // W if self.drop_last else -(-n // W))
+
+    @property
+    def total_size(self) -> int | None:
+        """torch's name for :attr:`epoch_size`: all ranks' indices per loader epoch.
+
+        >>> tc.DistributedSampler(range(10), 4, 0).total_size
+        12
+        """
+        return self.epoch_size
 
     @property
     def stop_position(self) -> int | None:
@@ -230,38 +281,39 @@ class DistributedSampler(Sampler[int]):
         return self._growing
 
     def _wait_for(self, position: int) -> None:
-        """Quick start: block until the window holding ``position`` is committed (or n is final)."""
+        """Quick start: wait until the window holding ``position`` is committed (or n is final)."""
         deadline = time.monotonic() + self.wait_timeout
         needed = (position // self.window + 1) * self.window
-        last = self.num_samples
-        while self._growing and self.num_samples < needed:
+        last = self._dataset_size
+        while self._growing and self._dataset_size < needed:
             error = getattr(self.build, "error", None)
             if error is not None:
                 raise RuntimeError(f"the background build failed, so sample window "
                                    f"{position // self.window} will never be committed: {error}")
             time.sleep(0.05)
             self._refresh()
-            if self.num_samples != last:
-                last, deadline = self.num_samples, time.monotonic() + self.wait_timeout
+            if self._dataset_size != last:
+                last, deadline = self._dataset_size, time.monotonic() + self.wait_timeout
             elif time.monotonic() > deadline:
                 raise TimeoutError(
                     f"waited {self.wait_timeout:.0f} s for the cache to commit samples up to "
-                    f"{needed} (it has {self.num_samples}) and it did not grow; is the build still "
+                    f"{needed} (it has {self._dataset_size}) and it did not grow; is the build still "
                     "running? (pass build=handle to be told when it fails, or raise wait_timeout)")
 
     def _refresh(self) -> None:
         """Re-read a growing dataset's length; freeze it when its cache is complete."""
         refresh = getattr(self.dataset, "refresh", None)
-        self.num_samples = int_arg(refresh() if refresh else len(self.dataset), "len(dataset)", 0)
+        self._dataset_size = int_arg(refresh() if refresh else len(self.dataset), "len(dataset)", 0)
         if getattr(self.dataset, "complete", True):
             self._growing = False
             self._perms.clear()
-            if self.num_samples == 0:
+            if self._dataset_size == 0:
                 raise ValueError("the finished cache holds no complete sample")
+            self._check_drop_last()
 
     def _permutation(self, epoch: int) -> Permutation:
         return self._perms.get_or_make(
-            epoch, lambda: Permutation(self.num_samples, derive_key(self.seed, "sample", epoch)))
+            epoch, lambda: Permutation(self._dataset_size, derive_key(self.seed, "sample", epoch)))
 
     def indices_for_positions(self, positions: np.ndarray) -> np.ndarray:
         """Dataset indices (int64) for global stream ``positions``, vectorised per epoch.
@@ -280,7 +332,7 @@ class DistributedSampler(Sampler[int]):
             # defined at every index >= 0: global position p reads index p, whatever ``shuffle``
             # says, and later loader epochs continue its stream instead of replaying it.
             return positions
-        n = self.num_samples
+        n = self._dataset_size
         if self.window is not None and positions.size and (self._growing or positions.min() < n):
             if self._growing and positions.max() >= n // self.window * self.window:
                 raise ValueError("positions beyond the committed windows of a growing cache")
@@ -297,7 +349,7 @@ class DistributedSampler(Sampler[int]):
         if first == last:
             return self._permutation(first)(offsets)
         out = np.empty_like(offsets)
-        for epoch in np.unique(epochs):  # a chunk spans few epochs (unless n is tiny)
+        for epoch in np.unique(epochs):  # a slice spans few epochs (unless n is tiny)
             mask = epochs == epoch
             out[mask] = self._permutation(int(epoch))(offsets[mask])
         return out
@@ -311,7 +363,7 @@ class DistributedSampler(Sampler[int]):
         out = np.empty_like(positions)
         for k in np.unique(windows).tolist():
             mask = windows == k
-            size = min(w, self.num_samples - k * w) if not self._growing else w
+            size = min(w, self._dataset_size - k * w) if not self._growing else w
             perm = Permutation(size, derive_key(self.seed, "window", k))
             out[mask] = k * w + perm(offsets[mask])
         return out
@@ -355,15 +407,16 @@ class DistributedSampler(Sampler[int]):
                 "the DataLoader) after init_process_group / Accelerator() / the trainer's "
                 "setup, or pass num_replicas= and rank= explicitly")
 
-    def _index_chunks(self, start: int, count: int | None) -> Iterator[np.ndarray]:
-        """The rank's indices from ``start`` (``count`` of them, or endless), as int64 arrays."""
+    def _index_slices(self, start: int, count: int | None) -> Iterator[np.ndarray]:
+        """The rank's indices from ``start`` (``count`` of them, or endless), as int64 arrays,
+        one slice of consecutive positions at a time."""
         W, r = self.world_size, self.rank
-        # Chunks start small (cheap first batch, cheap abandoned iterators) and never span more
-        # than ~n positions, so one chunk touches at most two permutation epochs (when n >= W).
+        # Slices start small (cheap first batch, cheap abandoned iterators) and never span more
+        # than ~n positions, so one slice touches at most two permutation epochs (when n >= W).
         rows = 64
         j = 0
         while count is None or j < count:
-            cap = max(1, min(_CHUNK, (self.window if self._growing else self.num_samples) // W))
+            cap = max(1, min(_SLICE, (self.window if self._growing else self._dataset_size) // W))
             rows = min(cap, rows)
             stop = j + rows if count is None else min(j + rows, count)
             rows = 8 * rows
@@ -378,7 +431,8 @@ class DistributedSampler(Sampler[int]):
                 yield self.indices_for_positions(positions)
 
     def __len__(self) -> int:
-        """Indices the next ``iter()`` yields on this rank (``ceil(n / W)`` at a loader-epoch start)."""
+        """Indices the next ``iter()`` yields on this rank (:attr:`num_samples` at a loader-epoch
+        start)."""
         count = self.iteration_length()
         if count is None:
             raise TypeError("this DistributedSampler has no len(): it is infinite without "
@@ -394,8 +448,10 @@ class DistributedSampler(Sampler[int]):
         sampler this way at each ``iter()``, and takes a move made by someone else (this method,
         :meth:`set_epoch` on a fresh sampler, :meth:`load_state_dict`) as the new consumed count.
 
-        >>> sampler.set_position(4096)  # doctest: +SKIP
-        >>> first = next(iter(sampler))  # the index at global position 4096 + rank  # doctest: +SKIP
+        >>> sampler = tc.DistributedSampler(range(10), 2, 1, shuffle=False)  # rank 1 of 2
+        >>> sampler.set_position(4)
+        >>> next(iter(sampler))  # the index at global position 4 + rank
+        5
         """
         self.position = position_arg(position, "position")
         self._fresh = False
@@ -410,9 +466,10 @@ class DistributedSampler(Sampler[int]):
         An owner that positions the sampler itself (:class:`torchcache.DataLoader`) compares it
         with the value after its own last move to tell whether someone else moved the sampler.
 
-        >>> before = sampler.position_version  # doctest: +SKIP
-        >>> sampler.set_position(0)  # doctest: +SKIP
-        >>> sampler.position_version == before + 1  # doctest: +SKIP
+        >>> sampler = tc.DistributedSampler(range(10), 2, 1)
+        >>> before = sampler.position_version
+        >>> sampler.set_position(0)
+        >>> sampler.position_version == before + 1
         True
         """
         return self._position_version
@@ -431,9 +488,14 @@ class DistributedSampler(Sampler[int]):
         Otherwise it warns and changes nothing, rather than silently skip or replay data; use
         :meth:`set_position` to move explicitly.
 
-        >>> for epoch in range(3):  # a torch-style epoch loop works unchanged  # doctest: +SKIP
+        >>> sampler = tc.DistributedSampler(range(6), 1, 0, seed=0)
+        >>> loader = tc.DataLoader(range(6), batch_size=3, sampler=sampler)
+        >>> for epoch in range(3):  # a torch-style epoch loop works unchanged
         ...     sampler.set_epoch(epoch)
-        ...     for batch in loader: ...
+        ...     print([batch.tolist() for batch in loader])  # a new permutation each epoch
+        [[3, 2, 5], [0, 1, 4]]
+        [[2, 3, 4], [5, 0, 1]]
+        [[5, 2, 0], [4, 1, 3]]
         """
         epoch = int_arg(epoch, "epoch", 0, None if self._growing
                         else (POSITION_LIMIT - 1) // self.epoch_size)
@@ -459,7 +521,7 @@ class DistributedSampler(Sampler[int]):
             "algorithm": PERMUTATION_ALGORITHM,
             "seed": self.seed,
             "shuffle": self.shuffle,
-            "num_samples": None if self._growing else self.num_samples,
+            "num_samples": None if self._growing else self._dataset_size,  # n, not per rank
             "window": self.window,
         }
 
@@ -492,7 +554,15 @@ class DistributedSampler(Sampler[int]):
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         """Validate a :meth:`state_dict` and continue from its position (any world size).
 
-        >>> sampler.load_state_dict(saved)  # refused if seed, shuffle or dataset differ  # doctest: +SKIP
+        >>> two_ranks = tc.DistributedSampler(range(10), 2, 0, seed=3)
+        >>> two_ranks.set_position(6)
+        >>> one_rank = tc.DistributedSampler(range(10), 1, 0, seed=3)
+        >>> one_rank.load_state_dict(two_ranks.state_dict())  # any world size
+        >>> one_rank.position
+        6
+        >>> tc.DistributedSampler(range(10), 1, 0, seed=4).load_state_dict(two_ranks.state_dict())
+        Traceback (most recent call last):
+        ValueError: cannot load this state into DistributedSampler: seed: saved 3, this ... has 4. ...
         """
         checked = check_state(
             state, self._expected_state(SAMPLER_STATE_FORMAT), _SAMPLER_FIELDS, "DistributedSampler",
@@ -526,10 +596,10 @@ class _SamplerIterator(Iterator[int]):
 
     def _restart(self, start: int, count: int | None) -> None:
         self._start, self._count, self._yielded = start, count, 0
-        self._chunks = self._sampler._index_chunks(start, count)
-        self._buffer = np.empty(0, dtype=np.int64)  # the current chunk
+        self._slices = self._sampler._index_slices(start, count)
+        self._buffer = np.empty(0, dtype=np.int64)  # the current slice
         self._items: list[int] | None = None  # the same as Python ints, made for __next__
-        self._at = 0  # next unread place in the chunk
+        self._at = 0  # next unread place in the slice
 
     def __iter__(self) -> _SamplerIterator:
         return self
@@ -542,10 +612,10 @@ class _SamplerIterator(Iterator[int]):
             sampler.position = self._start + self._yielded * sampler.world_size
 
     def _refill(self) -> bool:
-        chunk = next(self._chunks, None)
-        if chunk is None:
+        indices = next(self._slices, None)
+        if indices is None:
             return False
-        self._buffer, self._items, self._at = chunk, None, 0
+        self._buffer, self._items, self._at = indices, None, 0
         return True
 
     def __next__(self) -> int:
