@@ -55,7 +55,9 @@ def test_gather_rows_names_what_is_wrong(two_caches):
 def test_a_mixture_of_token_datasets_reads_one_array_and_equals_its_items(two_caches):
     a, b = (tc.TokenDataset(p, 64) for p in two_caches)
     mix = tc.MixtureDataset({"a": a, "b": b}, weights={"a": 2, "b": 1}, block_size=30, seed=3)
-    for idx in (np.arange(0, 16), np.array([5, 900, 3, 10**9, 17]), np.arange(60, 61)):
+    # a period read again (RowPlan), any subset of it, and indices all over (located each time)
+    for idx in (np.arange(0, 16), np.arange(16, 30), np.array([29, 3, 3, 17]),
+                np.array([5, 900, 3, 10**9, 17]), np.arange(60, 61), np.arange(61, 63)):
         batch = mix.get_batch(idx)
         expected = default_collate([mix[int(i)] for i in idx])
         assert batch.keys() == expected.keys()

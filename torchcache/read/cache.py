@@ -51,7 +51,7 @@ from .local_copies import STAT_FIELDS, STATS_DIR, SessionStats, parse_size, tree
 from .remote_reads import ArrayReads, BoundedReader, ReadOrder
 from ..format.tokenizer import cache_tokenizer
 
-__all__ = ["TokenCache", "gather_rows"]
+__all__ = ["RowPlan", "TokenCache", "gather_rows"]
 
 _MAX_DESCRIPTORS = 128  # descriptors of block files open at once in a process (all caches)
 _MAX_CACHED_OFFSETS = 64  # blocks whose document offsets a TokenCache keeps in memory
@@ -95,8 +95,8 @@ class _Block:
     """An open block file: its descriptor, where global tokens lie in it, who owns it, and its
     memory map while its cache's budget allows one (None: read with pread)."""
 
-    __slots__ = ("fd", "data_end", "base", "path", "index", "owner", "used", "map", "copy",
-                 "budget")
+    __slots__ = ("fd", "data_end", "base", "path", "index", "owner", "used", "map", "mapping",
+                 "copy", "budget")
 
     def __init__(self, fd: int, data_start: int, path: str, index: int, owner: weakref.ref,
                  first_token: int, tokens: int, itemsize: int, budget: _MapBudget):
@@ -104,7 +104,8 @@ class _Block:
         self.data_end = data_start + tokens * itemsize  # file offset past the last token
         self.base = data_start - first_token * itemsize  # global token t is at base + t * itemsize
         self.used = True  # CLOCK bit: set on every use, cleared by the eviction sweep
-        self.map: mmap.mmap | None = None
+        self.map: memoryview | None = None  # a view of `mapping`: a slice of it copies once
+        self.mapping: mmap.mmap | None = None
         self.copy = None  # with a map: copies out of it in a frame named after the file (SIGBUS)
         self.budget = budget  # the owner's map budget (what closing the map gives back)
 
@@ -191,16 +192,18 @@ class _OpenBlocks:
         if not block.budget.room(size):
             return
         try:
-            block.map = mmap.mmap(block.fd, size, prot=mmap.PROT_READ)
+            block.mapping = mmap.mmap(block.fd, size, prot=mmap.PROT_READ)
         except (OSError, ValueError):  # no address space or descriptor, or a filesystem that
             return  # cannot map: the block is read with pread, as beyond the budget
+        block.map = memoryview(block.mapping)
         block.copy = named_map_copy(block.path)
         block.budget.used += size
 
     @staticmethod
     def close(block: _Block) -> None:
-        m, block.map = block.map, None
+        view, m, block.map, block.mapping = block.map, block.mapping, None, None
         if m is not None:
+            view.release()  # (a map cannot close while a view of it exists)
             block.budget.used -= len(m)
             m.close()
         fd, block.fd = block.fd, -1
@@ -394,6 +397,7 @@ class TokenCache:
         self.skipped: dict[str, int] = dict(state.skipped)
         self._table = state.table
         self._token_starts = state.table.token_starts
+        self._num_tokens = int(self._token_starts[-1])  # (read on every batch: kept as an int)
         self._doc_starts = state.table.doc_starts
         self.dtype = fmt.DTYPES[self.spec["dtype"]]
 
@@ -422,7 +426,7 @@ class TokenCache:
     @property
     def num_tokens(self) -> int:
         """Tokens in the committed global stream."""
-        return int(self._token_starts[-1])
+        return self._num_tokens
 
     @property
     def num_documents(self) -> int:
@@ -1056,66 +1060,96 @@ def _rows_out(out: np.ndarray | None, rows: int, length: int, dtype: np.dtype) -
     return out
 
 
+class RowPlan:
+    """Rows of ``length`` tokens at fixed places of several caches of one dtype, checked and
+    located once, then read in any subset, any number of times: row ``i`` is tokens
+    ``[starts[i], starts[i] + length)`` of ``caches[which[i]]``.
+
+    A mixture reads batch after batch from the same stretch of its schedule: planning that
+    stretch once leaves each batch its copies (see the TokenCache example). Blocks are never
+    rewritten, so a plan stays valid while the caches grow.
+    """
+
+    def __init__(self, caches: Sequence[TokenCache], which: Any, starts: Any, length: int):
+        caches = list(caches)
+        dtype = caches[0].dtype if caches else None
+        if dtype is None or any(not isinstance(c, TokenCache) or c.dtype != dtype for c in caches):
+            raise TypeError("caches must be a non-empty sequence of TokenCache of one token "
+                            f"dtype (their rows share one array), got {caches!r}")
+        which = index_array(which, "which").reshape(-1)
+        starts = index_array(starts, "starts").reshape(-1)
+        self.length = int_arg(length, "length")
+        if len(which) != len(starts):
+            raise ValueError(f"which and starts must have one entry per row, got {len(which)} and "
+                             f"{len(starts)}")
+        if which.size and int(which.view(np.uint64).max()) >= len(caches):
+            raise IndexError(f"which must be in [0, {len(caches)}) (an index into caches)")
+        for k, cache in enumerate(caches):  # negatives are huge as uint64
+            part = starts[which == k]
+            if part.size and int(part.view(np.uint64).max()) > cache.num_tokens - self.length:
+                first = int(part[(part < 0) | (part > cache.num_tokens - self.length)][0])
+                raise IndexError(f"token range [{first}, {first + self.length}) outside [0, "
+                                 f"{cache.num_tokens}) of {cache.url}")
+        self.caches, self.dtype, self.rows = caches, dtype, len(starts)
+        self._which, self._starts = which, starts
+        self._bounded = any(c._bounded is not None for c in caches)
+        if not self._bounded and starts.size:
+            bases, combined, owners, first_blocks = _layout(caches)
+            blocks = (combined.searchsorted(starts + bases[which], side="right") - 1).tolist()
+            self._cache_of = [caches[owners[g]] for g in blocks]
+            self._block_of = [g - first_blocks[owners[g]] for g in blocks]
+            self._start_of = starts.tolist()
+
+    def read(self, rows: Any = None, out: np.ndarray | None = None) -> np.ndarray:
+        """Rows ``rows`` of the plan (default all, in order) into one (len(rows), length) array."""
+        if rows is None:
+            picked = range(self.rows)
+        else:
+            picked = index_array(rows, "rows").reshape(-1)
+            if picked.size and int(picked.view(np.uint64).max()) >= self.rows:
+                raise IndexError(f"rows must be in [0, {self.rows}) (the plan's rows)")
+            picked = picked.tolist()
+        out = _rows_out(out, len(picked), self.length, self.dtype)
+        if not len(picked) or not self.length:
+            return out
+        if self._bounded:  # remote caches under a limit: each reads its rows its own way
+            chosen = np.asarray(picked, dtype=np.int64)
+            which = self._which[chosen]
+            for k, cache in enumerate(self.caches):
+                where = np.flatnonzero(which == k)
+                if where.size:
+                    with cache._lock:
+                        cache._gather(self._starts[chosen[where]],
+                                      np.full(where.size, self.length, dtype=np.int64), out,
+                                      where * self.length)
+            return out
+        item = self.dtype.itemsize
+        size = self.length * item
+        held = []
+        try:
+            for cache in self.caches:
+                cache._lock.acquire()
+                held.append(cache)
+            cache_of, block_of, start_of = self._cache_of, self._block_of, self._start_of
+            _copy_ranges([cache_of[r] for r in picked], [block_of[r] for r in picked],
+                         [start_of[r] for r in picked], itertools.repeat(size),
+                         range(0, len(picked) * size, size),
+                         memoryview(out.reshape(-1).view(np.uint8)), item)
+        finally:
+            for cache in held:
+                try:
+                    if cache._doomed:
+                        cache._close_doomed()
+                finally:
+                    cache._lock.release()
+        return out
+
+
 def gather_rows(caches: Sequence[TokenCache], which: Any, starts: Any, length: int,
                 out: np.ndarray | None = None) -> np.ndarray:
     """Rows of ``length`` tokens from several caches of one dtype, in one array: row ``i`` =
     tokens ``[starts[i], starts[i] + length)`` of ``caches[which[i]]``.
 
-    :meth:`TokenCache.read_many` over several caches, in one call for the whole batch: how a
-    mixture of token datasets reads its batch (see the TokenCache example).
+    :meth:`TokenCache.read_many` over several caches, in one call: a :class:`RowPlan` read once.
     """
-    dtype = caches[0].dtype if len(caches) else None
-    for cache in caches:
-        if not isinstance(cache, TokenCache) or cache.dtype != dtype:
-            raise TypeError("caches must be a non-empty sequence of TokenCache of one token "
-                            f"dtype (their rows share one array), got {list(caches)!r}")
-    if dtype is None:
-        raise TypeError("caches must be a non-empty sequence of TokenCache")
-    which = index_array(which, "which").reshape(-1)
-    starts = index_array(starts, "starts").reshape(-1)
-    length = int_arg(length, "length")
-    if len(which) != len(starts):
-        raise ValueError(f"which and starts must have one entry per row, got {len(which)} and "
-                         f"{len(starts)}")
-    out = _rows_out(out, len(starts), length, dtype)
-    if not starts.size or not length:
-        return out
-    if int(which.view(np.uint64).max()) >= len(caches):
-        raise IndexError(f"which must be in [0, {len(caches)}) (an index into caches)")
-    item = dtype.itemsize
-    size = length * item
-    view = memoryview(out.reshape(-1).view(np.uint8))
-    # one check for the whole batch where every row fits the smallest cache (negatives are huge)
-    if int(starts.view(np.uint64).max()) > min(c.num_tokens for c in caches) - length:
-        for k, cache in enumerate(caches):
-            part = starts[which == k]
-            if part.size and int(part.view(np.uint64).max()) > cache.num_tokens - length:
-                first = int(part[(part < 0) | (part > cache.num_tokens - length)][0])
-                raise IndexError(f"token range [{first}, {first + length}) outside [0, "
-                                 f"{cache.num_tokens}) of {cache.url}")
-    if any(c._bounded is not None for c in caches):  # remote caches under a limit: per cache
-        for k, cache in enumerate(caches):
-            where = np.flatnonzero(which == k)
-            if where.size:
-                with cache._lock:
-                    cache._gather(starts[where], np.full(where.size, length, dtype=np.int64), out,
-                                  where * length)
-        return out
-    bases, combined, owners, first = _layout(caches)
-    blocks = (combined.searchsorted(starts + bases[which], side="right") - 1).tolist()
-    held = []
-    try:
-        for cache in caches:
-            cache._lock.acquire()
-            held.append(cache)
-        _copy_ranges([caches[owners[g]] for g in blocks], [g - first[owners[g]] for g in blocks],
-                     starts.tolist(), itertools.repeat(size), range(0, len(starts) * size, size),
-                     view, item)
-    finally:
-        for cache in held:
-            try:
-                if cache._doomed:
-                    cache._close_doomed()
-            finally:
-                cache._lock.release()
-    return out
+    return RowPlan(caches, which, starts, length).read(out=out)

@@ -14,7 +14,6 @@ from __future__ import annotations
 import faulthandler
 import fcntl
 import json
-import mmap
 import os
 import sys
 import tempfile
@@ -33,13 +32,13 @@ __all__ = ["CacheFiles", "check_block_file", "load_keys", "load_offsets", "locat
            "named_map_copy", "offsets_max_size"]
 
 
-def _copy_from_map(dest: memoryview, source: mmap.mmap, offset: int) -> None:
+def _copy_from_map(dest: memoryview, source: memoryview, offset: int) -> None:
     dest[:] = source[offset:offset + len(dest)]
 
 
-def named_map_copy(path: str) -> Callable[[memoryview, mmap.mmap, int], None]:
-    """``copy(dest, source_map, offset)``: fill ``dest`` from the memory map of block file
-    ``path``, in a function whose code is named after the file.
+def named_map_copy(path: str) -> Callable[[memoryview, memoryview, int], None]:
+    """``copy(dest, source, offset)``: fill ``dest`` from ``source``, a memoryview of the memory
+    map of block file ``path`` (one copy), in a function whose code is named after the file.
 
     A mapped file cut short under its reader by another program (or a failing disk) ends the
     process with a bus error (SIGBUS) in the middle of the copy: nothing can be raised then, and

@@ -429,11 +429,11 @@ class PackPlan:
 
     def _one_chunk_segments(self, rows: np.ndarray, blocks: np.ndarray, c: int) -> RowSegments:
         chunk = self._chunk(c)
-        local = rows - self.row_starts[c * self.identity.chunk_blocks]
+        local = rows - self.row_starts[c * self.identity.chunk_blocks] if c else rows
         ends = chunk.row_ends
         hi = ends[local]
-        lo = ends[local - 1]  # row -1 (the chunk's last) where local is 0: zeroed next
-        lo[local == 0] = 0
+        lo = ends[local - 1]
+        lo *= local != 0  # local 0 read row -1 (the chunk's last): its first segment is 0
         count = hi - lo
         row = np.arange(len(rows))
         block_starts = self.cache.block_token_starts()[blocks]
@@ -449,7 +449,7 @@ class PackPlan:
         start = chunk.seg_start[seg]
         start += block_starts
         return RowSegments(row=row, start=start, length=chunk.seg_len[seg].astype(np.int64),
-                           continues=chunk.seg_flags[seg].astype(bool), count=count)
+                           continues=chunk.seg_flags[seg].view(bool), count=count)  # checked 0 or 1
 
     def _segments_by_row(self, rows: np.ndarray, blocks: np.ndarray, chunks: np.ndarray) -> RowSegments:
         K = self.identity.chunk_blocks

@@ -41,12 +41,16 @@ import numpy as np
 import torch
 from torch.utils.data import Dataset, default_collate
 
-from .._util.args import POSITION_LIMIT, bool_arg, int_arg, optional_int_arg
+from .._util.args import POSITION_LIMIT, bool_arg, index_array, int_arg, optional_int_arg
+from .._util.lru import LRUCache
 from ..order.permutation import PERMUTATION_ALGORITHM
-from ..read.cache import gather_rows
+from ..order.schedule import MIXTURE_ALGORITHM, MixtureSchedule, group_by, prefix_difference
+from ..read.cache import RowPlan, gather_rows
 from .dataset import TokenDataset, knows_content
 from .loader import batched_reader
-from ..order.schedule import MIXTURE_ALGORITHM, MixtureSchedule, group_by, prefix_difference
+
+_PLANNED_PERIOD_MAX = 1 << 14  # schedule periods up to this many samples are read through a RowPlan
+_PLANS = 4  # RowPlans a mixture keeps (one per schedule period; a loader reads one at a time)
 
 __all__ = ["MixtureDataset", "MIXTURE_ALGORITHM"]
 
@@ -214,6 +218,13 @@ class MixtureDataset(Dataset):
         self._fingerprint: str | None = None  # computed on first use (sources are fixed)
         self._expander = self._shared_expander()
         self._windows = self._shared_windows()
+        self._plans: LRUCache[RowPlan] = LRUCache(_PLANS)  # schedule period -> its rows, planned
+
+    def __getstate__(self) -> dict[str, Any]:
+        """What travels to a DataLoader worker: not the row plans (they hold this process's caches)."""
+        state = self.__dict__.copy()
+        state["_plans"] = LRUCache(_PLANS)
+        return state
 
     def _check_sources_agree(self, mixed_tokenizers: bool, mixed_items: bool) -> None:
         """Refuse sources with different tokenizers or item shapes (unless allowed); record the
@@ -459,13 +470,10 @@ class MixtureDataset(Dataset):
         >>> torch.equal(batch["ids"], torch.utils.data.default_collate(mix.__getitems__([0, 1, 2, 3]))["ids"])
         True
         """
+        if self._windows is not None:  # every source's token windows in one array, widened once
+            return self._windows.batch_from_windows(self._read_windows(indices))
         source, local = self.schedule.locate(indices)
         source, local = source.reshape(-1), local.reshape(-1)
-        if self._windows is not None:  # every source's token windows in one array, widened once
-            first = self._windows  # (local indices are in range: the schedule's lengths)
-            windows = gather_rows([ds.cache for ds in self._datasets], source,
-                                  local * first.seq_len, first.seq_len + 1)
-            return first.batch_from_windows(windows)
         groups = list(group_by(source))
         if len(groups) <= 1:  # all from one source: its batch as it is
             return self._source_batch(groups[0][0] if groups else 0, local)
@@ -474,6 +482,29 @@ class MixtureDataset(Dataset):
             return self._expander.expand_batch(_merge_rows(parts, source.size, self.names))
         parts = [(where, self._source_batch(k, local[where])) for k, where in groups]
         return _merge_rows(parts, source.size, self.names)
+
+    def _read_windows(self, indices: Sequence[int]) -> np.ndarray:
+        """The token windows of mixture ``indices`` (all sources TokenDatasets of one format), in
+        one array. Indices inside one period of the schedule read a RowPlan of that period (the
+        loader reads the mixture in order: a period is located and planned once, vectorised,
+        for all its batches); others are located and gathered at once. (Local indices are in
+        range: the schedule's lengths.)"""
+        first, caches = self._windows, [ds.cache for ds in self._datasets]
+        idx = index_array(indices, "indices").reshape(-1)
+        B = self.schedule.block_size
+        if idx.size and B <= _PLANNED_PERIOD_MAX:
+            low, high = int(idx.min()), int(idx.max())
+            period = low // B
+            if low >= 0 and high < (period + 1) * B:
+                plan = self._plans.get(period)
+                if plan is not None and all(a is b for a, b in zip(plan.caches, caches)):
+                    return plan.read(idx - period * B)
+                source, local = self.schedule.locate(np.arange(period * B, (period + 1) * B))
+                plan = RowPlan(caches, source, local * first.seq_len, first.seq_len + 1)
+                self._plans.put(period, plan)
+                return plan.read(idx - period * B)
+        source, local = self.schedule.locate(idx)
+        return gather_rows(caches, source, local * first.seq_len, first.seq_len + 1)
 
     def _shared_windows(self) -> TokenDataset | None:
         """The first source, if every source is a TokenDataset read

@@ -256,16 +256,19 @@ class PackedDataset(GrowingDataset):
         n, C = len(idx), self.seq_len
         segments = self.plan.segments(idx)
         row, length, count, piece_continues = segments.row, segments.length, segments.count, segments.continues
-        tokens = np.zeros((n, C + 1), dtype=self.cache.dtype)
         cu = np.full((n, self.max_segments + 1), C, dtype=np.int32)
         cu[:, 0] = 0
         if len(length) == n:  # one piece in every row (a plan has no empty row): most rows of books
-            self.cache.read_ranges(segments.start, length + piece_continues, tokens,
-                                   np.arange(0, n * (C + 1), C + 1))
+            tokens = np.empty((n, C + 1), dtype=self.cache.dtype)
+            filled = length + piece_continues
+            self.cache.read_ranges(segments.start, filled, tokens, np.arange(0, n * (C + 1), C + 1))
+            for r in np.flatnonzero(filled <= C).tolist():  # zeros after a row's piece
+                tokens[r, filled[r]:] = 0
             cu[:, 1] = length
             continues = piece_continues
             stops = np.arange(0, n * C, C) + length
         else:
+            tokens = np.zeros((n, C + 1), dtype=self.cache.dtype)
             first = np.cumsum(count) - count  # each row's first piece
             total = np.cumsum(length)
             end = total - (total - length)[first][row]  # where each piece ends, in its row
