@@ -1101,9 +1101,12 @@ class RowPlan:
             self._start_of = starts.tolist()
 
     def read(self, rows: Any = None, out: np.ndarray | None = None) -> np.ndarray:
-        """Rows ``rows`` of the plan (default all, in order) into one (len(rows), length) array."""
+        """Rows ``rows`` of the plan (indices, or a slice: the cheapest way to read consecutive
+        rows; default all, in order) into one (len(rows), length) array."""
         if rows is None:
-            picked = range(self.rows)
+            rows = slice(None)
+        if isinstance(rows, slice):
+            picked = range(self.rows)[rows]
         else:
             picked = index_array(rows, "rows").reshape(-1)
             if picked.size and int(picked.view(np.uint64).max()) >= self.rows:
@@ -1131,8 +1134,13 @@ class RowPlan:
                 cache._lock.acquire()
                 held.append(cache)
             cache_of, block_of, start_of = self._cache_of, self._block_of, self._start_of
-            _copy_ranges([cache_of[r] for r in picked], [block_of[r] for r in picked],
-                         [start_of[r] for r in picked], itertools.repeat(size),
+            if isinstance(picked, range):  # consecutive rows: slices of the plan
+                part = slice(picked.start, picked.stop, picked.step)
+                rows_of = (cache_of[part], block_of[part], start_of[part])
+            else:
+                rows_of = ([cache_of[r] for r in picked], [block_of[r] for r in picked],
+                           [start_of[r] for r in picked])
+            _copy_ranges(*rows_of, itertools.repeat(size),
                          range(0, len(picked) * size, size),
                          memoryview(out.reshape(-1).view(np.uint8)), item)
         finally:

@@ -497,11 +497,13 @@ class MixtureDataset(Dataset):
             period = low // B
             if low >= 0 and high < (period + 1) * B:
                 plan = self._plans.get(period)
-                if plan is not None and all(a is b for a, b in zip(plan.caches, caches)):
-                    return plan.read(idx - period * B)
-                source, local = self.schedule.locate(np.arange(period * B, (period + 1) * B))
-                plan = RowPlan(caches, source, local * first.seq_len, first.seq_len + 1)
-                self._plans.put(period, plan)
+                if plan is None or any(a is not b for a, b in zip(plan.caches, caches)):
+                    source, local = self.schedule.locate(np.arange(period * B, (period + 1) * B))
+                    plan = RowPlan(caches, source, local * first.seq_len, first.seq_len + 1)
+                    self._plans.put(period, plan)
+                first_row = low - period * B
+                if high - low + 1 == idx.size and idx.tolist() == list(range(low, high + 1)):
+                    return plan.read(slice(first_row, first_row + idx.size))  # the loader's batches
                 return plan.read(idx - period * B)
         source, local = self.schedule.locate(idx)
         return gather_rows(caches, source, local * first.seq_len, first.seq_len + 1)

@@ -259,12 +259,18 @@ class PackedDataset(GrowingDataset):
         cu = np.full((n, self.max_segments + 1), C, dtype=np.int32)
         cu[:, 0] = 0
         if len(length) == n:  # one piece in every row (a plan has no empty row): most rows of books
-            tokens = np.empty((n, C + 1), dtype=self.cache.dtype)
-            filled = length + piece_continues
-            self.cache.read_ranges(segments.start, filled, tokens, np.arange(0, n * (C + 1), C + 1))
-            for r in np.flatnonzero(filled <= C).tolist():  # zeros after a row's piece
-                tokens[r, filled[r]:] = 0
-            cu[:, 1] = length
+            if n and int(length.min()) == C and int(segments.start.max()) + C < self.cache.num_tokens:
+                # every row full (most batches of long documents): equal reads of C + 1 tokens
+                tokens = self.cache.read_many(segments.start, C + 1)
+                if not piece_continues.all():
+                    tokens[~piece_continues, C] = 0  # nothing follows a piece that ends its document
+            else:
+                tokens = np.empty((n, C + 1), dtype=self.cache.dtype)
+                filled = length + piece_continues
+                self.cache.read_ranges(segments.start, filled, tokens, np.arange(0, n * (C + 1), C + 1))
+                for r in np.flatnonzero(filled <= C).tolist():  # zeros after a row's piece
+                    tokens[r, filled[r]:] = 0
+                cu[:, 1] = length
             continues = piece_continues
             stops = np.arange(0, n * C, C) + length
         else:
