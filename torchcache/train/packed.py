@@ -262,8 +262,9 @@ class PackedDataset(GrowingDataset):
             if n and int(length.min()) == C and int(segments.start.max()) + C < self.cache.num_tokens:
                 # every row full (most batches of long documents): equal reads of C + 1 tokens
                 tokens = self.cache.read_many(segments.start, C + 1)
-                if not piece_continues.all():
-                    tokens[~piece_continues, C] = 0  # nothing follows a piece that ends its document
+                ends = np.flatnonzero(~piece_continues)  # rows whose piece ends its document
+                tokens[ends, C] = 0  # nothing follows it
+                return tokens, cu, count.astype(np.int64, copy=False), piece_continues, (ends + 1) * C
             else:
                 tokens = np.empty((n, C + 1), dtype=self.cache.dtype)
                 filled = length + piece_continues
@@ -297,9 +298,22 @@ class PackedDataset(GrowingDataset):
         flat_labels = labels.reshape(-1)
         flat_labels[stops - 1] = IGNORE_INDEX  # a document's last token has no next token
         position_ids = np.empty((n, C), dtype=np.int64)
-        position_ids[:] = np.arange(C)
+        columns = np.arange(C)
+        position_ids[:] = columns
         restarts = np.flatnonzero(cu[:, 1] < C)  # rows where something follows the first piece
-        if restarts.size:  # most rows hold one full piece: nothing more to do then
+        if 0 < restarts.size <= 4:  # a few such rows (the usual batch): a slice per run
+            padded, used_at = [], []
+            for r in restarts.tolist():
+                ends = cu[r, :int(num_segments[r]) + 1].tolist()  # 0, then where each piece ends
+                for start, end in zip(ends[1:-1], ends[2:]):  # (the first run is already right)
+                    position_ids[r, start:end] = columns[:end - start]
+                if ends[-1] < C:  # padding after the last piece: positions restart there too
+                    position_ids[r, ends[-1]:] = columns[:C - ends[-1]]
+                    padded.append(r)
+                    used_at.append(ends[-1])
+            if padded:
+                self._pad(input_ids, labels, np.array(padded), np.array(used_at))
+        elif restarts.size:  # most rows hold one full piece: nothing more to do then
             # their runs (the pieces, then the padding) from the table, with a column past the last
             most = int(num_segments[restarts].max())
             bounds = np.full((restarts.size, most + 2), C, dtype=np.int64)
