@@ -10,9 +10,11 @@ always the ``k``-th claim of indices.
 
 from __future__ import annotations
 
+import atexit
 import itertools
 import threading
 import time
+import weakref
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -21,6 +23,19 @@ import numpy as np
 __all__ = ["BatchReader", "batch_indices"]
 
 _THREAD_NAME = "torchcache-prefetch"
+#: readers whose thread may still run: stopped at interpreter exit (see _close_all)
+_LIVE: weakref.WeakSet[BatchReader] = weakref.WeakSet()
+
+
+def _close_all() -> None:
+    """At exit, stop every reader's thread before the interpreter finalizes: a daemon thread
+    stopped in the middle of a torch or numpy call aborts the process ("terminate called
+    without an active exception"), e.g. when a training script ends before its epoch does."""
+    for reader in list(_LIVE):
+        reader.close(timeout=5.0)
+
+
+atexit.register(_close_all)
 
 
 class _Failure:
@@ -163,6 +178,7 @@ class BatchReader:
         self._thread = threading.Thread(target=_read_ahead, args=(self._state,), name=_THREAD_NAME,
                                         daemon=True)
         self._thread.start()
+        _LIVE.add(self)
 
     def close(self, timeout: float = 5.0) -> None:
         """Stop the thread and drop the batches it read ahead."""
