@@ -69,12 +69,11 @@ def _locked(method):
     """
     @functools.wraps(method)
     def wrapper(self, *args, **kwargs):
-        with self._lock:
-            try:
-                return method(self, *args, **kwargs)
-            finally:
-                if self._doomed:
-                    self._close_doomed()
+        self._lock.acquire()
+        try:
+            return method(self, *args, **kwargs)
+        finally:
+            self._end_read()
     return wrapper
 
 
@@ -580,6 +579,15 @@ class TokenCache:
         if self._open.get(block.index) is block:
             del self._open[block.index]
 
+    def _end_read(self) -> None:
+        """Release the lock a read took (held on entry), first closing the blocks another
+        thread's eviction left to this cache (it could not close them while this cache read)."""
+        try:
+            if self._doomed:
+                self._close_doomed()
+        finally:
+            self._lock.release()
+
     def _close_doomed(self) -> None:
         with _POOL.lock:
             for block in self._doomed:
@@ -1025,30 +1033,14 @@ def _copy_ranges(caches: Iterable[TokenCache], blocks: Iterable[int], starts: It
                 fmt.read_into(block.fd, part[got:], offset + got, block.path, _TRUNCATED, "block file")
 
 
-#: id()s of a list of caches -> (the caches, their block counts, the layout of their blocks one
-#: after the other: cache k's block b is combined block first[k] + b, starting at token
-#: bases[k] + its start); remade when a cache grows
-_LAYOUTS: dict[tuple[int, ...], tuple[tuple[TokenCache, ...], tuple[int, ...], np.ndarray,
-                                       np.ndarray, list[int], list[int]]] = {}
-_MAX_LAYOUTS = 8
-
-
-def _layout(caches: list[TokenCache]) -> tuple[np.ndarray, np.ndarray, list[int], list[int]]:
-    """(bases, combined block starts, owner cache of each combined block, first combined block
-    of each cache) of ``caches``' blocks laid one after the other."""
-    key = tuple(map(id, caches))
-    counts = tuple(c.num_blocks for c in caches)
-    found = _LAYOUTS.get(key)
-    if found is not None and found[1] == counts and all(a is b for a, b in zip(found[0], caches)):
-        return found[2:]
-    bases = np.cumsum([0] + [c.num_tokens for c in caches[:-1]], dtype=np.int64)
-    combined = np.concatenate([c._token_starts[:-1] + base for c, base in zip(caches, bases)])
-    owners = [k for k, n in enumerate(counts) for _ in range(n)]
-    first = np.cumsum((0,) + counts[:-1]).tolist()
-    if len(_LAYOUTS) >= _MAX_LAYOUTS:
-        _LAYOUTS.clear()
-    _LAYOUTS[key] = (tuple(caches), counts, bases, combined, owners, first)
-    return bases, combined, owners, first
+def _end_reads(caches: list[TokenCache]) -> None:
+    """``_end_read`` of every cache in ``caches``: each lock is released, even if closing a
+    block of an earlier one fails."""
+    try:
+        caches[0]._end_read()
+    finally:
+        if len(caches) > 1:
+            _end_reads(caches[1:])
 
 
 def _rows_out(out: np.ndarray | None, rows: int, length: int, dtype: np.dtype) -> np.ndarray:
@@ -1084,21 +1076,20 @@ class RowPlan:
                              f"{len(starts)}")
         if which.size and int(which.view(np.uint64).max()) >= len(caches):
             raise IndexError(f"which must be in [0, {len(caches)}) (an index into caches)")
-        for k, cache in enumerate(caches):  # negatives are huge as uint64
-            part = starts[which == k]
+        blocks = np.empty(len(starts), dtype=np.int64)  # each row's block in its cache
+        for k, cache in enumerate(caches):
+            where = np.flatnonzero(which == k)
+            part = starts[where]
             if part.size and int(part.view(np.uint64).max()) > cache.num_tokens - self.length:
                 first = int(part[(part < 0) | (part > cache.num_tokens - self.length)][0])
                 raise IndexError(f"token range [{first}, {first + self.length}) outside [0, "
-                                 f"{cache.num_tokens}) of {cache.url}")
+                                 f"{cache.num_tokens}) of {cache.url}")  # (negatives are huge)
+            blocks[where] = cache.block_token_starts().searchsorted(part, side="right") - 1
         self.caches, self.dtype, self.rows = caches, dtype, len(starts)
         self._which, self._starts = which, starts
         self._bounded = any(c._bounded is not None for c in caches)
-        if not self._bounded and starts.size:
-            bases, combined, owners, first_blocks = _layout(caches)
-            blocks = (combined.searchsorted(starts + bases[which], side="right") - 1).tolist()
-            self._cache_of = [caches[owners[g]] for g in blocks]
-            self._block_of = [g - first_blocks[owners[g]] for g in blocks]
-            self._start_of = starts.tolist()
+        self._cache_of = [caches[k] for k in which.tolist()]
+        self._block_of, self._start_of = blocks.tolist(), starts.tolist()
 
     def read(self, rows: Any = None, out: np.ndarray | None = None) -> np.ndarray:
         """Rows ``rows`` of the plan (indices, or a slice: the cheapest way to read consecutive
@@ -1115,24 +1106,21 @@ class RowPlan:
         out = _rows_out(out, len(picked), self.length, self.dtype)
         if not len(picked) or not self.length:
             return out
-        if self._bounded:  # remote caches under a limit: each reads its rows its own way
-            chosen = np.asarray(picked, dtype=np.int64)
-            which = self._which[chosen]
-            for k, cache in enumerate(self.caches):
-                where = np.flatnonzero(which == k)
-                if where.size:
-                    with cache._lock:
+        for cache in self.caches:  # each cache's lock, as in its own reads
+            cache._lock.acquire()
+        try:
+            if self._bounded:  # remote caches under a limit: each reads its rows its own way
+                chosen = np.asarray(picked, dtype=np.int64)
+                which = self._which[chosen]
+                for k, cache in enumerate(self.caches):
+                    where = np.flatnonzero(which == k)
+                    if where.size:
                         cache._gather(self._starts[chosen[where]],
                                       np.full(where.size, self.length, dtype=np.int64), out,
                                       where * self.length)
-            return out
-        item = self.dtype.itemsize
-        size = self.length * item
-        held = []
-        try:
-            for cache in self.caches:
-                cache._lock.acquire()
-                held.append(cache)
+                return out
+            item = self.dtype.itemsize
+            size = self.length * item
             cache_of, block_of, start_of = self._cache_of, self._block_of, self._start_of
             if isinstance(picked, range):  # consecutive rows: slices of the plan
                 part = slice(picked.start, picked.stop, picked.step)
@@ -1144,12 +1132,7 @@ class RowPlan:
                          range(0, len(picked) * size, size),
                          memoryview(out.reshape(-1).view(np.uint8)), item)
         finally:
-            for cache in held:
-                try:
-                    if cache._doomed:
-                        cache._close_doomed()
-                finally:
-                    cache._lock.release()
+            _end_reads(self.caches)
         return out
 
 
