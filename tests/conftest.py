@@ -6,6 +6,7 @@ from __future__ import annotations
 import atexit
 import contextlib
 import gzip
+import hashlib
 import json
 import os
 import shutil
@@ -105,16 +106,24 @@ def moto_s3(bucket: str = "bucket"):
         server.stop()
 
 
+class FileBytes(bytes):
+    """A file's bytes that print as their size and digest: a failed tree comparison then names
+    the files that differ in a few lines, not megabytes of bytes."""
+
+    def __repr__(self) -> str:
+        return f"<{len(self)} bytes, sha256 {hashlib.sha256(self).hexdigest()[:16]}>"
+
+
 def tree_bytes(root: str) -> dict[str, bytes]:
-    """Every file of a cache (but the lock), by relative path."""
+    """Every file of a cache (but the lock), by relative path, in path order."""
     out = {}
     for dirpath, _, files in os.walk(root):
         for name in files:
             if name == ".lock":
                 continue
             full = os.path.join(dirpath, name)
-            out[os.path.relpath(full, root)] = Path(full).read_bytes()
-    return out
+            out[os.path.relpath(full, root)] = FileBytes(Path(full).read_bytes())
+    return dict(sorted(out.items()))
 
 
 def build_killed_at_commit(inputs: list[str], out, tokenizer: str, commits: int, *,

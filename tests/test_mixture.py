@@ -367,6 +367,22 @@ def test_a_short_source_is_repermuted_every_pass():
     assert len({tuple(p) for p in passes}) > 1
 
 
+@pytest.mark.parametrize("lengths,weights,B", [
+    ({"a": 20_000, "b": 2_174}, None, 1024),  # runs of a source's permutation cross its epochs
+    ({"a": 9_000, "b": 50, "c": 300_000}, {"a": 4, "b": 1, "c": 3}, 256),
+])
+def test_a_whole_period_locates_as_each_index_alone(lengths, weights, B):
+    # dense reads (a loader's periods) use cached runs of each source's permutation; one index
+    # alone is permuted directly: both must give the same stream, in every period
+    mix = MixtureDataset({name: Src(n) for name, n in lengths.items()}, weights, seed=5, block_size=B)
+    for period in list(range(0, 60, 7)) + [10**9]:
+        indices = np.arange(period * B, (period + 1) * B)
+        src, local = mix.locate(indices)
+        alone = [MixtureDataset({name: Src(n) for name, n in lengths.items()}, weights, seed=5,
+                                block_size=B).schedule.locate_one(int(i)) for i in indices[::37]]
+        assert list(zip(src[::37].tolist(), local[::37].tolist())) == alone
+
+
 def test_getitems_reads_each_source_once_in_order():
     a, b = Batched(40, 0), Batched(40, 1000)
     plain = Src(40, 2000)  # no __getitems__: read per index

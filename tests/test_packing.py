@@ -261,6 +261,11 @@ def test_rows_hold_the_documents_tokens_with_masks(built, seq_len, long_docs, ma
         assert (np.diff(ds.plan.row_starts) == 0).any()
     batch = all_rows(ds)
     assert_same_rows(pickle.loads(pickle.dumps(ds)).get_batch(range(len(ds))), batch)  # as in workers
+    # small batches (a loader's: rows of one plan chunk, most of them one full piece each, read
+    # by a faster path than a batch of all rows) hold the same rows
+    order = np.random.default_rng(0).permutation(len(ds))
+    for rows in [[i] for i in range(len(ds))] + np.array_split(order, max(1, len(ds) // 3)):
+        assert_same_rows(ds.get_batch(rows), {k: v[list(rows)] for k, v in batch.items()})
     covered = np.zeros(cache.num_tokens, dtype=np.int64)
     for i in range(len(ds)):
         k = int(batch["num_segments"][i])

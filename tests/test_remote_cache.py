@@ -11,6 +11,7 @@ import gc
 import json
 import os
 import re
+import stat
 import subprocess
 import sys
 import tempfile
@@ -31,9 +32,19 @@ SEQ = 64
 
 def tree_bytes(folder) -> int:
     """Bytes of the local copies under ``folder``: every file but reading sessions' counters
-    (``.stats``, which are not copies and not under the limit)."""
-    return sum(p.stat().st_size for p in Path(folder).rglob("*")
-               if p.is_file() and STATS_DIR not in p.relative_to(folder).parts)
+    (``.stats``, which are not copies and not under the limit). Readers in other processes may
+    remove a file between the listing and its stat: it then counts for nothing."""
+    total = 0
+    for p in Path(folder).rglob("*"):
+        if STATS_DIR in p.relative_to(folder).parts:
+            continue
+        try:
+            st = p.stat()
+        except FileNotFoundError:
+            continue
+        if stat.S_ISREG(st.st_mode):
+            total += st.st_size
+    return total
 
 
 # ---------------------------------------------------------------- no server needed

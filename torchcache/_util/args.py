@@ -17,7 +17,7 @@ from typing import Any
 import numpy as np
 
 __all__ = ["INT64_MAX", "POSITION_LIMIT", "bool_arg", "choice_arg", "index_array", "int_arg",
-           "number_arg", "optional_int_arg", "position_arg"]
+           "number_arg", "optional_int_arg", "position_arg", "unsigned_max"]
 
 INT64_MAX = 2**63 - 1
 #: Stream positions and counters stay below this, so int64 arithmetic on them (a position plus
@@ -47,12 +47,15 @@ def int_arg(value: Any, name: str, minimum: int | None = 0, maximum: int | None 
     Integers of any kind pass (int, numpy integers, integer 0-d tensors: whatever
     ``operator.index`` takes); bools, floats and strings are refused, as they are not counts.
     """
-    if _is_bool(value):
+    if type(value) is int:  # the usual argument: nothing to convert
+        number = value
+    elif _is_bool(value):
         raise TypeError(f"{name} must be an integer, not a bool ({value!r})")
-    try:
-        number = operator.index(value)
-    except TypeError as error:
-        raise TypeError(f"{name} must be an integer, got {_describe(value)}") from error
+    else:
+        try:
+            number = operator.index(value)
+        except TypeError as error:
+            raise TypeError(f"{name} must be an integer, got {_describe(value)}") from error
     if minimum is not None and number < minimum:
         raise ValueError(f"{name} must be >= {minimum}, got {number}")
     if maximum is not None and number > maximum:
@@ -128,6 +131,14 @@ def index_array(indices: Any, name: str = "indices") -> np.ndarray:
     if kind == "u" and (arr.size == 0 or int(arr.max()) <= INT64_MAX):
         return arr.astype(np.int64)
     return _index_objects(indices, arr.shape, name)
+
+
+def unsigned_max(values: np.ndarray) -> int:
+    """The largest of non-empty int64 ``values`` read as unsigned, so that a negative value
+    counts as larger than any int64: a range check of an index array in one pass. (A batch's
+    few indices go through a list: a numpy reduction costs more than the values then.)"""
+    flat = values.reshape(-1).view(np.uint64)
+    return max(flat.tolist()) if flat.size <= 64 else int(flat.max())
 
 
 def _index_objects(indices: Any, shape: tuple[int, ...], name: str) -> np.ndarray:

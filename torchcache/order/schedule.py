@@ -56,6 +56,8 @@ _BLOCK_CACHE = 64  # per-block (totals, layout, permutation) entries kept
 _PERM_CACHE = 64  # per-(source, epoch) permutations kept
 _TABLE_CACHE = 4  # whole-block tables (source and local index of every slot) kept
 _TABLE_MAX = 1 << 16  # blocks larger than this are never tabled (B * 9 bytes a table)
+_RUN = 1 << 13  # a source's epoch is permuted in runs of this many positions (64 KB each) ...
+_RUN_CACHE = 16  # ... and this many runs are kept (1 MB)
 
 
 def _fraction(value: Any, what: str) -> Fraction:
@@ -241,6 +243,9 @@ class MixtureSchedule:
         # blocks read densely (a loader reads the mixture in order) are mapped whole, once
         self._tables: LRUCache[tuple[np.ndarray, np.ndarray]] = LRUCache(_TABLE_CACHE)
         self._touched: LRUCache[bool] = LRUCache(_BLOCK_CACHE)
+        # runs of each source's permuted epoch: consecutive blocks take consecutive positions of
+        # a source, so one vectorised pass over a run serves the next several blocks
+        self._runs: LRUCache[np.ndarray] = LRUCache(_RUN_CACHE)
 
     # -- construction ---------------------------------------------------------------------------
 
@@ -587,8 +592,29 @@ class MixtureSchedule:
                 continue
             epochs, offsets = np.divmod(pos[where], n)
             for e, sub in group_by(epochs):
-                local[where[sub]] = _permute(self._source_permutation(k, e), offsets[sub])
+                local[where[sub]] = self._permuted_offsets(k, e, offsets[sub])
         return source, local
+
+    def _permuted_offsets(self, k: int, epoch: int, offsets: np.ndarray) -> np.ndarray:
+        """Source ``k``'s permutation of ``epoch`` at ``offsets``: from cached runs of it when
+        the offsets are dense (a block's positions of a source are consecutive), else directly."""
+        perm = self._source_permutation(k, epoch)
+        low, high = int(offsets.min()), int(offsets.max())
+        if offsets.size <= _SCALAR_MAX or high - low >= 2 * offsets.size:
+            return _permute(perm, offsets)
+        first, last = low // _RUN, high // _RUN
+        if first == last:
+            return self._run(k, epoch, perm, first)[offsets - first * _RUN]
+        runs = np.concatenate([self._run(k, epoch, perm, r) for r in range(first, last + 1)])
+        return runs[offsets - first * _RUN]
+
+    def _run(self, k: int, epoch: int, perm: Permutation, r: int) -> np.ndarray:
+        """Positions ``[r * _RUN, (r + 1) * _RUN)`` (within ``[0, n)``) of a source's permuted epoch."""
+        def make() -> np.ndarray:
+            run = perm(np.arange(r * _RUN, min((r + 1) * _RUN, perm.n), dtype=np.int64))
+            run.flags.writeable = False
+            return run
+        return self._runs.get_or_make((k, epoch, r), make)
 
     def locate_one(self, index: int) -> tuple[int, int]:
         """``(source_id, local_index)`` of one mixture index, as ints.

@@ -41,7 +41,7 @@ import numpy as np
 from tokenizers import Tokenizer
 
 from ..format import blocks as fmt
-from .._util.args import index_array, int_arg
+from .._util.args import index_array, int_arg, unsigned_max
 from .._util.lru import LRUCache
 from .cache_files import (check_block_file, load_keys, load_offsets, locate_cache, named_map_copy,
                           offsets_max_size)
@@ -715,7 +715,7 @@ class TokenCache:
         out = _rows_out(out, len(starts), length, self.dtype)
         if starts.size == 0:
             return out
-        if length < 0 or int(starts.view(np.uint64).max()) + length > self.num_tokens:
+        if length < 0 or unsigned_max(starts) + length > self.num_tokens:
             bad = starts[(starts < 0) | (starts + length > self.num_tokens)]
             first = int(bad[0]) if bad.size else int(starts[0])
             raise IndexError(f"token range [{first}, {first + length}) outside [0, {self.num_tokens})")
@@ -1074,13 +1074,13 @@ class RowPlan:
         if len(which) != len(starts):
             raise ValueError(f"which and starts must have one entry per row, got {len(which)} and "
                              f"{len(starts)}")
-        if which.size and int(which.view(np.uint64).max()) >= len(caches):
+        if which.size and unsigned_max(which) >= len(caches):
             raise IndexError(f"which must be in [0, {len(caches)}) (an index into caches)")
         blocks = np.empty(len(starts), dtype=np.int64)  # each row's block in its cache
         for k, cache in enumerate(caches):
             where = np.flatnonzero(which == k)
             part = starts[where]
-            if part.size and int(part.view(np.uint64).max()) > cache.num_tokens - self.length:
+            if part.size and unsigned_max(part) > cache.num_tokens - self.length:
                 first = int(part[(part < 0) | (part > cache.num_tokens - self.length)][0])
                 raise IndexError(f"token range [{first}, {first + self.length}) outside [0, "
                                  f"{cache.num_tokens}) of {cache.url}")  # (negatives are huge)
@@ -1100,7 +1100,7 @@ class RowPlan:
             picked = range(self.rows)[rows]
         else:
             picked = index_array(rows, "rows").reshape(-1)
-            if picked.size and int(picked.view(np.uint64).max()) >= self.rows:
+            if picked.size and unsigned_max(picked) >= self.rows:
                 raise IndexError(f"rows must be in [0, {self.rows}) (the plan's rows)")
             picked = picked.tolist()
         out = _rows_out(out, len(picked), self.length, self.dtype)

@@ -139,6 +139,22 @@ class _Chunk:
         self.first_block, self.table = first_block, table
         self.row_ends, self.seg_start, self.seg_len, self.seg_flags = row_ends, seg_start, seg_len, seg_flags
         self.row_base = np.concatenate([[0], np.cumsum(table["rows"])]).astype(np.int64)
+        self._full_rows: tuple[np.ndarray, np.ndarray, np.ndarray] | None = None
+
+    def full_rows(self, seq_len: int, block_starts: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """Per row of the chunk, made once: whether it holds one piece of exactly ``seq_len``
+        tokens, where that piece starts in the global stream (``block_starts``: the cache's
+        token start of each of this chunk's blocks) and whether its document goes on after it."""
+        if self._full_rows is None:
+            ends = self.row_ends.astype(np.int64)
+            first = np.zeros(len(ends), dtype=np.int64)  # each row's first segment (a row has one)
+            first[1:] = ends[:-1]
+            full = (ends - first == 1) & (self.seg_len[first] == seq_len)
+            start = self.seg_start[first].astype(np.int64)
+            start += np.repeat(block_starts, self.table["rows"].astype(np.int64))
+            continues = self.seg_flags[first].view(bool)
+            self._full_rows = (full, start, continues)
+        return self._full_rows
 
     @classmethod
     def from_packs(cls, first_block: int, packs: list[BlockPack], digests: np.ndarray) -> "_Chunk":
@@ -418,6 +434,36 @@ class PackPlan:
             if len(rows) and np.logical_and.reduce(chunks == chunks[0]):  # the usual batch: one chunk
                 return self._one_chunk_segments(rows, blocks, int(chunks[0]))
             return self._segments_by_row(rows, blocks, chunks)
+
+    def full_rows(self, rows: np.ndarray) -> tuple[np.ndarray, np.ndarray] | None:
+        """``(starts, continues)`` of rows ``rows`` (checked positions) if each holds one piece
+        of exactly seq_len tokens (most rows of long documents): where the piece starts in the
+        global stream, and whether its document goes on after it. None if any row holds
+        something else, or the rows lie in several chunks (then see :meth:`segments`)."""
+        rows = np.asarray(rows, dtype=np.int64)
+        if not len(rows):
+            return None
+        with self._lock:
+            if self._one_chunk and self._all_checked:
+                c = 0
+            else:
+                blocks = self.row_starts.searchsorted(rows, side="right")
+                blocks -= 1
+                if not self._all_checked and not np.logical_and.reduce(self._checked[blocks]):
+                    self._check_blocks(blocks)
+                chunks = blocks // self.identity.chunk_blocks
+                c = int(chunks[0])
+                if not self._one_chunk and not np.logical_and.reduce(chunks == c):
+                    return None
+            chunk = self._chunk(c)
+            first_block = c * self.identity.chunk_blocks
+            full, start, continues = chunk.full_rows(
+                self.identity.seq_len,
+                self.cache.block_token_starts()[first_block:first_block + chunk.blocks])
+            local = rows - self.row_starts[first_block] if c else rows
+            if not np.logical_and.reduce(full[local]):
+                return None
+            return start[local], continues[local]
 
     def _check_blocks(self, blocks: np.ndarray) -> None:
         """Check, in block order, the blocks of ``blocks`` not checked in this process yet."""

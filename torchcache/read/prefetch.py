@@ -118,19 +118,51 @@ class _ReaderState:
         self.claimed += 1
         return k, index
 
+    def claim_and_read(self) -> tuple[bool, Any]:
+        """Take the next batch's indices and read the batch in this thread, releasing the lock
+        once for both (lock held on entry and exit): ``(True, batch)`` (the batch is numbered
+        ``claimed - 1`` and kept nowhere), or ``(False, None)`` at the end. An error taking the
+        indices is raised; one reading them is returned as a _Failure."""
+        self.claiming = True
+        self.cond.release()
+        try:
+            index = self.take()
+            if index is not None:
+                item = self._timed_read(index)
+        finally:
+            self.cond.acquire()
+            self.claiming = False
+        if index is None:
+            if self.end is None:
+                self.end = self.claimed
+            self.work.notify()  # the thread has nothing more to read: it ends
+            return False, None
+        self.claimed += 1
+        if self.ahead:
+            self.work.notify()
+        return True, item
+
     def fill(self, k: int, index: Any) -> None:
         """Read batch ``k`` (lock held on entry and exit, released while reading)."""
         self.cond.release()
+        try:
+            item = self._timed_read(index)
+        finally:
+            self.cond.acquire()
+        self.results[k] = item
+        self.wake_loop()
+
+    def _timed_read(self, index: Any) -> Any:
+        """``read(index)``, or the _Failure it raised; updates the recent read time (the
+        attribute is only a hint for the ahead decision: written without the lock)."""
         start = self.clock()
         try:
             item: Any = self.read(index)
         except BaseException as e:  # noqa: BLE001 - handed to the consumer, which re-raises it
             item = _Failure(e)
         spent = self.clock() - start
-        self.cond.acquire()
         self.read_s = spent if not self.read_s else 0.8 * self.read_s + 0.2 * spent
-        self.results[k] = item
-        self.wake_loop()
+        return item
 
 
 def _read_ahead(state: _ReaderState) -> None:
@@ -220,12 +252,12 @@ class BatchReader:
                     raise StopIteration
                 if state.claimed == k and not state.claiming:  # nobody reads it: read it here
                     try:
-                        job = state.claim()
+                        read, item = state.claim_and_read()
                     except BaseException:
                         self._finish()
                         raise
-                    if job is not None:
-                        state.fill(*job)
+                    if read:
+                        state.results[k] = item
                     continue
                 state.loop_waits = True
                 try:

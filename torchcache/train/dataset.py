@@ -44,7 +44,7 @@ import torch
 from torch.utils.data import Dataset
 
 from .._util.args import (INT64_MAX, POSITION_LIMIT, bool_arg, choice_arg, index_array, int_arg,
-                    optional_int_arg)
+                    optional_int_arg, unsigned_max)
 from ..read.cache import TokenCache
 from ..read.remote_reads import SamplerReads
 
@@ -168,7 +168,7 @@ class GrowingDataset(Dataset):
         if idx.size == 0:
             return idx
         n = len(self)
-        if int(idx.view(np.uint64).max()) < n:  # the usual case in one pass: all in [0, n)
+        if unsigned_max(idx) < n:  # the usual case in one pass: all in [0, n)
             return idx
         low, high = int(idx.min()), int(idx.max())
         if high >= n or low < -n:

@@ -39,13 +39,14 @@ Four documents, built into a tiny cache here (a word-level tokenizer), packed in
 
 from __future__ import annotations
 
+import functools
 import os
 from typing import Any, Sequence
 
 import numpy as np
 import torch
 
-from .._util.args import POSITION_LIMIT, choice_arg, int_arg, optional_int_arg
+from .._util.args import POSITION_LIMIT, choice_arg, int_arg, optional_int_arg, unsigned_max
 from .collate import IGNORE_INDEX
 from .dataset import GrowingDataset, open_cache
 from ..read.pack_plan import PackPlan, plan_identity
@@ -56,6 +57,20 @@ __all__ = ["PackedDataset"]
 
 _TOKENS = "__torchcache_packed_tokens__"  # a compact batch's tokens, [rows, seq_len + 1]
 _CONTINUES = "__torchcache_packed_continues__"  # the row's last token has a next token (split piece)
+_NO_ROWS = np.empty(0, dtype=np.int64)
+
+
+@functools.lru_cache(maxsize=8)
+def _columns(seq_len: int) -> np.ndarray:
+    """0 .. seq_len - 1: a row's positions when it holds one piece (read only, shared)."""
+    columns = np.arange(seq_len)
+    columns.flags.writeable = False
+    return columns
+
+
+def _restarts(cu: np.ndarray, seq_len: int) -> np.ndarray:
+    """The rows of a segment table where something (a piece, or padding) follows the first piece."""
+    return (cu[:, 1] < seq_len).nonzero()[0]
 
 
 class PackedDataset(GrowingDataset):
@@ -214,14 +229,14 @@ class PackedDataset(GrowingDataset):
         One gather of all the rows' document ranges, then a few whole-batch numpy operations
         for the labels and positions (nothing per row or per document in Python).
         """
-        tokens, cu, num_segments, continues, stops = self._read_rows(self._check(indices))
-        return self._training_batch(tokens, cu, num_segments, stops)
+        tokens, cu, num_segments, continues, stops, restarts = self._read_rows(self._check(indices))
+        return self._training_batch(tokens, cu, num_segments, stops, restarts)
 
     def compact_batch(self, indices: Sequence[int]) -> dict[str, torch.Tensor]:
         """The rows as stored tokens in the cache's dtype plus their segment table: what a
         DataLoader worker sends (4-8x less than the int64 batch); :meth:`expand_batch` widens it.
         """
-        tokens, cu, num_segments, continues, _ = self._read_rows(self._check(indices))
+        tokens, cu, num_segments, continues, _, _ = self._read_rows(self._check(indices))
         signed = np.int16 if tokens.dtype.itemsize == 2 else np.int32
         return {_TOKENS: torch.from_numpy(tokens.view(signed)),
                 _CONTINUES: torch.from_numpy(continues),
@@ -243,35 +258,39 @@ class PackedDataset(GrowingDataset):
         document_ends = ((np.arange(most) < num_segments[:, None])
                          & ~(compact[_CONTINUES].numpy()[:, None] & (ends == C)))
         ends += np.arange(0, len(cu) * C, C)[:, None]
-        return self._training_batch(tokens, cu, num_segments, ends[document_ends])
+        return self._training_batch(tokens, cu, num_segments, ends[document_ends], _restarts(cu, C))
 
-    def _read_rows(self, idx: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
-        """``(tokens, cu_seqlens, num_segments, continues, stops)`` of checked rows ``idx``.
+    def _read_rows(self, idx: np.ndarray) -> tuple[np.ndarray, ...]:
+        """``(tokens, cu_seqlens, num_segments, continues, stops, restarts)`` of checked rows ``idx``.
 
         ``tokens`` (rows, seq_len + 1) holds each row's documents back to back (zeros after
         them), read in one gather; a split piece fills its row, and its document's next token
         goes in the extra last column (``continues`` marks those rows). ``stops``: where each
         piece that ends its document ends, as a position in the flat (rows, seq_len) batch.
+        ``restarts``: the rows where something (a piece, or padding) follows the first piece.
         """
         n, C = len(idx), self.seq_len
+        full = self.plan.full_rows(idx)
+        if full is not None and unsigned_max(full[0]) + C < self.cache.num_tokens:
+            # every row one full piece (most batches of long documents): equal reads of C + 1 tokens
+            starts, piece_continues = full
+            tokens = self.cache.read_many(starts, C + 1)
+            ends = (~piece_continues).nonzero()[0]  # rows whose piece ends its document
+            tokens[ends, C] = 0  # nothing follows it
+            cu = np.full((n, self.max_segments + 1), C, dtype=np.int32)
+            cu[:, 0] = 0
+            return tokens, cu, np.ones(n, dtype=np.int64), piece_continues, (ends + 1) * C, _NO_ROWS
         segments = self.plan.segments(idx)
         row, length, count, piece_continues = segments.row, segments.length, segments.count, segments.continues
         cu = np.full((n, self.max_segments + 1), C, dtype=np.int32)
         cu[:, 0] = 0
         if len(length) == n:  # one piece in every row (a plan has no empty row): most rows of books
-            if n and int(length.min()) == C and int(segments.start.max()) + C < self.cache.num_tokens:
-                # every row full (most batches of long documents): equal reads of C + 1 tokens
-                tokens = self.cache.read_many(segments.start, C + 1)
-                ends = np.flatnonzero(~piece_continues)  # rows whose piece ends its document
-                tokens[ends, C] = 0  # nothing follows it
-                return tokens, cu, count.astype(np.int64, copy=False), piece_continues, (ends + 1) * C
-            else:
-                tokens = np.empty((n, C + 1), dtype=self.cache.dtype)
-                filled = length + piece_continues
-                self.cache.read_ranges(segments.start, filled, tokens, np.arange(0, n * (C + 1), C + 1))
-                for r in np.flatnonzero(filled <= C).tolist():  # zeros after a row's piece
-                    tokens[r, filled[r]:] = 0
-                cu[:, 1] = length
+            tokens = np.empty((n, C + 1), dtype=self.cache.dtype)
+            filled = length + piece_continues
+            self.cache.read_ranges(segments.start, filled, tokens, np.arange(0, n * (C + 1), C + 1))
+            for r in np.flatnonzero(filled <= C).tolist():  # zeros after a row's piece
+                tokens[r, filled[r]:] = 0
+            cu[:, 1] = length
             continues = piece_continues
             stops = np.arange(0, n * C, C) + length
         else:
@@ -285,10 +304,11 @@ class PackedDataset(GrowingDataset):
             continues = np.zeros(n, dtype=bool)
             continues[row[piece_continues]] = True
             stops = row * C + end
-        return tokens, cu, count.astype(np.int64, copy=False), continues, stops[~piece_continues]
+        return (tokens, cu, count.astype(np.int64, copy=False), continues, stops[~piece_continues],
+                _restarts(cu, C))
 
     def _training_batch(self, tokens: np.ndarray, cu: np.ndarray, num_segments: np.ndarray,
-                        stops: np.ndarray) -> dict[str, torch.Tensor]:
+                        stops: np.ndarray, restarts: np.ndarray) -> dict[str, torch.Tensor]:
         """The int64 batch of rows read by :meth:`_read_rows`: ids (padding set to ``pad_id``),
         labels (the next token inside a document, else -100) and positions (restarting at
         every document and at the padding)."""
@@ -298,9 +318,8 @@ class PackedDataset(GrowingDataset):
         flat_labels = labels.reshape(-1)
         flat_labels[stops - 1] = IGNORE_INDEX  # a document's last token has no next token
         position_ids = np.empty((n, C), dtype=np.int64)
-        columns = np.arange(C)
+        columns = _columns(C)
         position_ids[:] = columns
-        restarts = np.flatnonzero(cu[:, 1] < C)  # rows where something follows the first piece
         if 0 < restarts.size <= 4:  # a few such rows (the usual batch): a slice per run
             padded, used_at = [], []
             for r in restarts.tolist():
