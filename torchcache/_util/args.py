@@ -16,7 +16,7 @@ from typing import Any
 
 import numpy as np
 
-__all__ = ["INT64_MAX", "POSITION_LIMIT", "bool_arg", "choice_arg", "index_array", "int_arg",
+__all__ = ["INT64_MAX", "POSITION_LIMIT", "bool_arg", "choice_arg", "flag_arg", "index_array", "int_arg",
            "number_arg", "optional_int_arg", "position_arg", "unsigned_max"]
 
 INT64_MAX = 2**63 - 1
@@ -86,6 +86,15 @@ def bool_arg(value: Any, name: str) -> bool:
     """``value`` as a bool; only True and False (Python or numpy) pass, not 0, 1 or "no"."""
     if not isinstance(value, (bool, np.bool_)):
         raise TypeError(f"{name} must be True or False, got {_describe(value)}")
+    return bool(value)
+
+
+def flag_arg(value: Any, name: str) -> bool:
+    """``value`` taken for its truth, as torch takes its flags (``shuffle=1``, ``pin_memory=0``),
+    except a string: ``shuffle="no"`` would be true, so it is refused."""
+    if isinstance(value, (str, bytes)):
+        raise TypeError(f"{name} must be True or False, got the string {value!r} (which would be "
+                        "taken as true)")
     return bool(value)
 
 

@@ -73,6 +73,11 @@ _STATE_FIELDS: dict[str, Callable[[Any, str], Any]] = {
     "remaining": _optional_count_field,
     "schedule": _optional_mapping_field,
     "content": _optional_mapping_field,
+    # a loader over a sampler of the user's own: batches received in the pass, the sampler's
+    # class, and the random state the pass started from (torchcache.train.counted)
+    "batches": _count_field,
+    "sampler": _text_field,
+    "rng": _optional_mapping_field,
 }
 
 _IDENTITY = ("fingerprint", "num_samples")  # what says which dataset a state belongs to

@@ -14,15 +14,17 @@ own thread, synchronously. Each way makes the same batches from the same functio
 from __future__ import annotations
 
 import functools
+import itertools
 import threading
 import weakref
 from collections.abc import Callable, Iterator, Mapping
-from typing import Any
+from typing import Any, TypeVar
 
 import numpy as np
 import torch.utils.data
 
-from .._util.args import bool_arg, int_arg, number_arg, optional_int_arg
+from .._util.args import bool_arg, flag_arg, int_arg, number_arg, optional_int_arg
+from .counted import PassStart, pass_generators, sampler_name, skip_batches
 from ..order.permutation import PERMUTATION_ALGORITHM
 from ..order.state import check_state
 from .dataset import knows_content
@@ -34,6 +36,8 @@ __all__ = ["DataLoader", "batched_reader", "pin_batch"]
 
 _DEFAULT_PREFETCH = 4  # batches read ahead by default for a dataset with get_batch
 
+T_co = TypeVar("T_co", covariant=True)
+
 LOADER_STATE_FORMAT = "torchcache.loader"
 LOADER_STATE_VERSION = 3
 _LOADER_FIELDS_V1 = ("format", "version", "algorithm", "counts", "consumed", "seed", "shuffle",
@@ -43,6 +47,11 @@ _LOADER_FIELDS_V2 = _LOADER_FIELDS_V1 + ("schedule",)
 #: Version 3 adds "content": the dataset's content_identity (the data of its cache's committed
 #: blocks; null for a dataset without one). Older states are checked by fingerprint only.
 _LOADER_FIELDS = _LOADER_FIELDS_V2 + ("content",)
+#: The state of a loader over a sampler of the user's own: batches received in the current pass.
+_COUNTED_FIELDS = ("format", "version", "counts", "batches", "num_samples", "batch_size", "sampler",
+                   "fingerprint", "content", "rng")
+_COUNTED_MATCHING = ("format", "version", "counts", "num_samples", "batch_size", "sampler",
+                     "fingerprint")
 #: Fields of a loaded state that must equal this loader's (world and batch size may change).
 _MATCHING = ("format", "version", "algorithm", "counts", "num_samples", "fingerprint", "seed",
              "shuffle", "window")
@@ -120,15 +129,28 @@ def pin_batch(batch: Any) -> Any:
     return pin() if callable(pin) else batch
 
 
-class DataLoader(torch.utils.data.DataLoader):
+class DataLoader(torch.utils.data.DataLoader[T_co]):
     """``torch.utils.data.DataLoader`` with exact, elastic resume via :meth:`state_dict`.
 
-    All of torch's arguments work (num_workers, prefetch_factor, persistent_workers,
-    pin_memory, collate_fn, drop_last, multiprocessing_context, ...). The sampler must be a
-    :class:`torchcache.DistributedSampler`; if none is given one is built with ``shuffle``
-    (default False, as in torch: pass ``shuffle=True`` to shuffle) and the keyword ``seed``
-    (default 0). ``batch_sampler`` and ``in_order=False`` are refused: counting needs known
-    batch sizes in order.
+    All of torch's arguments work (sampler, batch_sampler, num_workers, prefetch_factor,
+    persistent_workers, pin_memory, collate_fn, drop_last, generator, multiprocessing_context,
+    ...); ``in_order=False`` is refused (counting needs the batches in order), and so is an
+    IterableDataset (use torch's DataLoader for it). With no sampler, a
+    :class:`torchcache.DistributedSampler` is built with ``shuffle`` (default False, as in
+    torch) and the keyword ``seed`` (default 0; with ``shuffle`` and a ``generator`` and no
+    ``seed``, the seed is drawn from the generator once, as torch's RandomSampler draws one). A
+    list or other dataset that is not torchcache's may grow or shrink between passes: its
+    length is read again at every ``iter()``, as torch does.
+
+    **Samplers of your own.** A ``sampler`` that is not a DistributedSampler, or a
+    ``batch_sampler``, yields exactly the batches torch's DataLoader yields from it. The state
+    then counts the batches received in the current pass, with the random state the pass
+    started from (torch's global generator, and the generators of the loader and the
+    samplers); a loader given that state makes the same pass again and skips those batches
+    without reading them (torchcache.train.counted). That resume is exact for the same
+    sampler, batch size and world size; only a :class:`torchcache.DistributedSampler` resumes
+    in O(1) at another world size or worker count. The rest of this docstring describes the
+    DistributedSampler's counting.
 
     Counting rule: an iterator started at consumed position ``C`` serves ``k`` indices per rank
     (``sampler.iteration_length(C)``, None when unbounded) in batches of ``batch_size``; the
@@ -248,10 +270,40 @@ class DataLoader(torch.utils.data.DataLoader):
         compact_transfer: bool = True,
         **kwargs: Any,
     ) -> None:
-        _check_loader_args(batch_size=batch_size, shuffle=shuffle, num_workers=num_workers,
-                           pin_memory=pin_memory, drop_last=drop_last, timeout=timeout, seed=seed,
-                           prefetch_batches=prefetch_batches, compact_transfer=compact_transfer)
-        batched = collate_fn is None and batch_size is not None and batched_reader(dataset) is not None
+        if isinstance(dataset, torch.utils.data.IterableDataset):
+            raise TypeError(
+                f"torchcache.DataLoader reads map-style datasets (len() and indexing), whose order "
+                f"it can count and resume; {type(dataset).__name__} is an IterableDataset, which "
+                "yields its own order. Use torch.utils.data.DataLoader for it (or torchdata's "
+                "StatefulDataLoader, if it has a state of its own), or a torchcache dataset")
+        _check_loader_args(batch_size=batch_size, num_workers=num_workers, drop_last=drop_last,
+                           pin_memory=pin_memory, timeout=timeout, seed=seed,
+                           prefetch_batches=prefetch_batches,
+                           compact_transfer=compact_transfer)
+        # a sampler or batch sampler of the user's own: torch makes the batches' indices from
+        # it, and the state counts batches (see torchcache.train.counted)
+        counted = batch_sampler is not None or (sampler is not None
+                                                and not isinstance(sampler, DistributedSampler))
+        if counted and seed is not None:
+            raise ValueError("seed= seeds the DistributedSampler tc.DataLoader makes when no sampler "
+                             "is given; with a sampler or batch_sampler of your own, seed that one")
+        if not kwargs.get("in_order", True):
+            raise ValueError(
+                "in_order=False is not supported by torchcache.DataLoader: batches must arrive in "
+                "order for the consumed-sample count (and resume) to be exact"
+            )
+        if not counted:
+            sampler = self._own_sampler(dataset, sampler, shuffle, seed, generator)
+            shuffle = None
+        super().__init__(
+            dataset, batch_size=batch_size, shuffle=shuffle, sampler=sampler,
+            batch_sampler=batch_sampler, num_workers=num_workers, collate_fn=collate_fn,
+            pin_memory=pin_memory, drop_last=drop_last, timeout=timeout,
+            worker_init_fn=worker_init_fn, multiprocessing_context=multiprocessing_context,
+            generator=generator, **kwargs,
+        )
+        self._counted = counted
+        batched = collate_fn is None and self._auto_collation and batched_reader(dataset) is not None
         if prefetch_batches is None:  # read ahead wherever batches are made whole, in-process
             prefetch_batches = _DEFAULT_PREFETCH if num_workers == 0 and batched else 0
         if prefetch_batches and num_workers:
@@ -267,69 +319,64 @@ class DataLoader(torch.utils.data.DataLoader):
                 "(prefetch_batches=0, num_workers=0); pass prefetch_batches > 0 or "
                 "num_workers > 0, or leave timeout=0"
             )
+        compact = (batched and num_workers > 0 and compact_transfer
+                   and callable(getattr(dataset, "compact_batch", None))
+                   and callable(getattr(dataset, "expand_batch", None)))
+        how = ("compact" if compact else "batch" if batched else "items" if self._auto_collation
+               else "one")
+        #: What makes a batch from its indices, in this process or in a worker.
+        self._make = _Batches(dataset, self.collate_fn, how)
+        #: Where the workers' loader takes each batch's indices from.
+        self._worker_indices: _BatchIndices | _PassIndices = (
+            _PassIndices() if counted else _BatchIndices(sampler, batch_size, drop_last))
+        self._worker_loader: torch.utils.data.DataLoader | None = None
+        if num_workers:  # torch workers that make whole batches (torch's batch_size=None pattern)
+            kwargs.pop("pin_memory_device", None)  # pinned here, once (pin_batch)
+            self._worker_loader = torch.utils.data.DataLoader(
+                self._make, batch_size=None, sampler=self._worker_indices,
+                num_workers=num_workers, collate_fn=_as_is, pin_memory=False, timeout=timeout,
+                worker_init_fn=functools.partial(_start_worker, worker_init_fn),
+                multiprocessing_context=multiprocessing_context, generator=generator, **kwargs,
+            )
+        self._pass_start: PassStart | None = None  # (counted) the random state the pass began at
+        self._pass_received = 0  # (counted) batches the loop received in the current pass
+        self._resume: tuple[int, PassStart | None] | None = None  # (counted) a loaded state, for iter()
+        self._consumed = 0
+        self._generation = 0  # bumped per iter() and load_state_dict(); stale iterators stop counting
+        self._sampler_version = getattr(self.sampler, "position_version", 0)  # after our last move
+        self.prefetch_batches = prefetch_batches
+        self._prefetcher: weakref.ref[BatchReader] | None = None
+        self._live: weakref.ref[_LiveIterator] | None = None  # the iterator state counts
+
+    @staticmethod
+    def _own_sampler(dataset: Any, sampler: DistributedSampler | None, shuffle: Any, seed: int | None,
+                     generator: torch.Generator | None) -> DistributedSampler:
+        """The loader's DistributedSampler: the one given, or one made with ``shuffle`` (truthy,
+        as torch takes it) and ``seed`` (or, with ``shuffle`` and a ``generator``, a seed drawn
+        from that generator once, as torch's RandomSampler draws one from it)."""
         if sampler is None:
-            sampler = DistributedSampler(
-                dataset, seed=0 if seed is None else seed, shuffle=False if shuffle is None else shuffle
+            shuffle = False if shuffle is None else flag_arg(shuffle, "shuffle")
+            if seed is None and shuffle and generator is not None:
+                seed = int(torch.empty((), dtype=torch.int64).random_(generator=generator).item())
+            return DistributedSampler(dataset, seed=0 if seed is None else seed, shuffle=shuffle)
+        if seed is not None:
+            raise ValueError("seed is only used when sampler is None; set it on the DistributedSampler")
+        if shuffle is not None and flag_arg(shuffle, "shuffle") != sampler.shuffle:
+            raise ValueError(
+                f"shuffle={shuffle} contradicts sampler.shuffle={sampler.shuffle}; "
+                "set shuffle on the DistributedSampler only"
             )
-        elif not isinstance(sampler, DistributedSampler):
-            raise TypeError(
-                "sampler must be a torchcache.DistributedSampler (or a subclass), got "
-                f"{type(sampler).__name__}: the loader counts consumed samples through it. "
-                "Pass sampler=tc.DistributedSampler(dataset, ...) or leave sampler=None."
-            )
-        else:
-            if seed is not None:
-                raise ValueError("seed is only used when sampler is None; set it on the DistributedSampler")
-            if shuffle is not None and shuffle != sampler.shuffle:
-                raise ValueError(
-                    f"shuffle={shuffle} contradicts sampler.shuffle={sampler.shuffle}; "
-                    "set shuffle on the DistributedSampler only"
-                )
         if sampler.dataset_size != dataset_length(dataset):
             raise ValueError(
                 f"sampler covers {sampler.dataset_size} samples but len(dataset) is {len(dataset)}; "
                 "build the sampler over the same dataset"
             )
-        if batch_sampler is not None:
-            raise ValueError(
-                "batch_sampler is not supported by torchcache.DataLoader; pass batch_size and drop_last"
-            )
-        if not kwargs.get("in_order", True):
-            raise ValueError(
-                "in_order=False is not supported by torchcache.DataLoader: batches must arrive in "
-                "order for the consumed-sample count (and resume) to be exact"
-            )
-        super().__init__(
-            dataset, batch_size=batch_size, sampler=sampler, num_workers=num_workers,
-            collate_fn=collate_fn, pin_memory=pin_memory, drop_last=drop_last, timeout=timeout,
-            worker_init_fn=worker_init_fn, multiprocessing_context=multiprocessing_context,
-            generator=generator, **kwargs,
-        )
-        compact = (batched and num_workers > 0 and compact_transfer
-                   and callable(getattr(dataset, "compact_batch", None))
-                   and callable(getattr(dataset, "expand_batch", None)))
-        how = "compact" if compact else "batch" if batched else "items" if batch_size else "one"
-        #: What makes a batch from its indices, in this process or in a worker.
-        self._make = _Batches(dataset, self.collate_fn, how)
-        self._worker_loader: torch.utils.data.DataLoader | None = None
-        if num_workers:  # torch workers that make whole batches (torch's batch_size=None pattern)
-            kwargs.pop("pin_memory_device", None)  # pinned here, once (pin_batch)
-            self._worker_loader = torch.utils.data.DataLoader(
-                self._make, batch_size=None, sampler=_BatchIndices(sampler, batch_size, drop_last),
-                num_workers=num_workers, collate_fn=_as_is, pin_memory=False, timeout=timeout,
-                worker_init_fn=functools.partial(_start_worker, worker_init_fn),
-                multiprocessing_context=multiprocessing_context, generator=generator, **kwargs,
-            )
-        self._consumed = 0
-        self._generation = 0  # bumped per iter() and load_state_dict(); stale iterators stop counting
-        self._sampler_version = sampler.position_version  # after the last move this loader made
-        self.prefetch_batches = prefetch_batches
-        self._prefetcher: weakref.ref[BatchReader] | None = None
-        self._live: weakref.ref[_CountingIterator] | None = None  # the iterator state counts
+        return sampler
 
     @property
     def consumed(self) -> int:
         """Global stream positions the training loop has received so far (all ranks together).
+        With a sampler or batch_sampler of your own: the batches received in the current pass.
 
         >>> loader = tc.DataLoader(range(100), batch_size=8)
         >>> it = iter(loader)
@@ -337,6 +384,8 @@ class DataLoader(torch.utils.data.DataLoader):
         >>> loader.consumed  # 10 batches of 8 (on each rank: all ranks together count)
         80
         """
+        if self._counted:
+            return self._resume[0] if self._resume is not None else self._pass_received
         self._adopt_sampler_moves()
         return self._consumed
 
@@ -347,6 +396,8 @@ class DataLoader(torch.utils.data.DataLoader):
         """If the user moved the sampler explicitly (set_position, set_epoch on a fresh sampler,
         sampler.load_state_dict), take its position as what has been consumed."""
         sampler = self.sampler
+        if self._counted:
+            return
         if sampler.position_version != self._sampler_version:
             self._sampler_version = sampler.position_version
             self._consumed = sampler.position
@@ -361,30 +412,88 @@ class DataLoader(torch.utils.data.DataLoader):
     def _start(self) -> tuple[int, int | None, int]:
         """Move the sampler to the consumed position for a new iterator; -> (start, k, generation)."""
         self._adopt_sampler_moves()
+        self._follow_dataset_length()
         self._position_sampler(self._consumed)
         self._generation += 1
         return self._consumed, self.sampler.iteration_length(self._consumed), self._generation
 
+    def _follow_dataset_length(self) -> None:
+        """A dataset that is not torchcache's (a list) may have grown or shrunk since the last
+        pass: torch's samplers read its length at every ``iter()``, and so does this loader's,
+        between passes. The stream then goes on at the same loader epoch (from its start if no
+        batch of it was received, else from the next one) at the new length."""
+        sampler = self.sampler
+        if self._live is not None and self._live() is not None or not sampler.follows_length:
+            return
+        epoch_size = sampler.epoch_size
+        if not sampler.follow_dataset_length():
+            return
+        epoch, into = divmod(self._consumed, epoch_size)
+        self._consumed = (epoch + (into > 0)) * sampler.epoch_size
+        self._position_sampler(self._consumed)
+
     def __iter__(self) -> Iterator[Any]:
         self._stop_live(_REPLACED)
-        start, count, generation = self._start()
-        live = _CountingIterator(self, self._batches(), start, count, generation)
+        if self._counted:
+            generation = self._generation = self._generation + 1
+            live: _LiveIterator = _PassIterator(self, self._pass_batches(), generation)
+        else:
+            start, count, generation = self._start()
+            if self._worker_loader is None:  # (the workers' loader draws it itself)
+                _draw_base_seed(self.generator)
+            live = _CountingIterator(self, self._batches(take=None), start, count, generation)
         self._live = weakref.ref(live)
         return live
 
-    def _batches(self) -> Iterator[Any]:
-        """The batches of a new iterator, from the sampler's (just set) position, in one of the
-        three modes (see the class)."""
+    def _pass_batches(self) -> Iterator[Any]:
+        """(A sampler of the user's own) a new pass's batches, as torch's DataLoader makes them:
+        the index iterator first, then one draw for the workers' base seed (from ``generator``,
+        else torch's global generator), the sampler's own draws at its first indices. After
+        :meth:`load_state_dict`, the saved pass is made again the same way, from the random
+        state it started at, and the batches it had received are skipped (nothing is read)."""
+        generators = pass_generators(self, self._index_sampler)
+        resume, self._resume = self._resume, None
+        skip, start = resume if resume is not None else (0, None)
+        self._pass_start = start if start is not None else PassStart.now(generators)
+        self._pass_received = skip
+
+        def begin() -> Iterator[Any]:
+            indices = iter(self._index_sampler)
+            if self._worker_loader is not None:  # its own iter() draws the base seed first
+                self._worker_indices.source = _skipping_on_first(indices, skip)
+                return self._batches(take=None)
+            _draw_base_seed(self.generator)
+            indices = skip_batches(indices, skip)
+            # the sampler's first draws happen here, in this thread, not in a reader thread
+            first = next(indices, _NO_BATCH)
+            if first is not _NO_BATCH:
+                indices = itertools.chain([first], indices)
+            return self._batches(take=_take_from(indices))
+
+        if start is None:
+            return begin()
+        start.check(generators)
+        return start.replay(generators, begin)
+
+    def _pass_ended(self, generation: int) -> None:
+        """(Counted) the live pass was read to its end: the next one starts from scratch."""
+        if generation == self._generation:
+            self._pass_start, self._pass_received = None, 0
+
+    def _batches(self, take: Callable[[], Any] | None) -> Iterator[Any]:
+        """The batches of a new iterator in one of the three modes (see the class): from
+        ``take()`` (each batch's indices), or from the sampler's (just set) position."""
         plan_reads = getattr(self.dataset, "plan_reads", None)
-        if callable(plan_reads):  # before workers start, so that the plan travels into them
+        if callable(plan_reads) and not self._counted:  # before workers start: the plan travels
             plan_reads(self.sampler, self.num_workers)
         finish = self._finish()
         if self._worker_loader is not None:
             # iter() here, not at the first next(): it fixes the sampler's start position now
             batches = iter(self._worker_loader)
             return batches if finish is None else _Finished(batches, finish)
-        # iter(sampler) here, not in a thread or at the first next(): it fixes the start now
-        take = batch_indices(iter(self.sampler), self.batch_size, self.drop_last)
+        if take is None:  # iter(sampler) here, not in a thread or at the first next(): it fixes
+            # the start now
+            take = batch_indices(iter(self.sampler), self.batch_size, self.drop_last)
         make = self._make.__getitem__
         if self._make.how not in ("batch", "compact"):  # a dataset that never promised threads
             make = _one_at_a_time(make)
@@ -421,6 +530,9 @@ class DataLoader(torch.utils.data.DataLoader):
         >>> len(tc.DataLoader(range(10), batch_size=4))
         3
         """
+        if self._counted:
+            return super().__len__()
+        self._follow_dataset_length()
         count = self.sampler.iteration_length(self.consumed)
         if count is None:
             raise TypeError("an infinite DataLoader without max_epochs/max_samples has no len()")
@@ -435,6 +547,8 @@ class DataLoader(torch.utils.data.DataLoader):
         >>> state["consumed"], state["seed"], state["shuffle"], state["num_samples"]
         (8, 0, True, 100)
         """
+        if self._counted:
+            return self._counted_state()
         sampler = self.sampler
         consumed = self.consumed
         schedule = None
@@ -460,6 +574,37 @@ class DataLoader(torch.utils.data.DataLoader):
             "batch_size": self.batch_size,
             "schedule": schedule,
             "content": self.dataset.content_identity if knows_content(self.dataset) else None,
+        }
+
+    def _identity(self) -> tuple[str | int | None, dict[str, Any] | None]:
+        """(fingerprint, content identity) of a dataset that is not a mixture, as states save them."""
+        fingerprint = getattr(self.dataset, "fingerprint", None)
+        if fingerprint is not None and not isinstance(fingerprint, (str, int)):
+            fingerprint = str(fingerprint)
+        return fingerprint, (self.dataset.content_identity if knows_content(self.dataset) else None)
+
+    def _counted_state(self) -> dict[str, Any]:
+        """(A sampler of the user's own) the batches received in the current pass and the random
+        state the pass started from (see torchcache.train.counted)."""
+        if self._resume is not None:  # loaded, not started yet: the state as it was loaded
+            batches, start = self._resume
+        elif self._pass_start is not None:  # a pass under way
+            batches, start = self._pass_received, self._pass_start
+        else:  # between passes: the next one starts from the generators as they are now
+            generators = pass_generators(self, self._index_sampler)
+            batches, start = 0, PassStart.now(generators, with_global=False)
+        fingerprint, content = self._identity()
+        return {
+            "format": LOADER_STATE_FORMAT,
+            "version": LOADER_STATE_VERSION,
+            "counts": "batches",
+            "batches": batches,
+            "num_samples": len(self.dataset) if hasattr(self.dataset, "__len__") else None,
+            "batch_size": self.batch_size,
+            "sampler": sampler_name(self._index_sampler),
+            "fingerprint": fingerprint,
+            "content": content,
+            "rng": start.to_json(),
         }
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
@@ -499,11 +644,36 @@ class DataLoader(torch.utils.data.DataLoader):
                 "save and load tc.DataLoader.state_dict() instead, or load it with "
                 "sampler.load_state_dict()"
             )
+        counts = state.get("counts") if isinstance(state, Mapping) else None
+        if self._counted or counts == "batches":
+            self._load_counted(state, counts)
+            return
         consumed = self._checked_state(state)["consumed"]
         self._stop_live(_LOADED)
         self._consumed = consumed
         self._generation += 1
         self._position_sampler(consumed)
+
+    def _load_counted(self, state: Any, counts: Any) -> None:
+        """(A sampler of the user's own) :meth:`load_state_dict`: the next ``iter()`` makes the
+        saved pass again and skips the batches it had received."""
+        if counts != ("batches" if self._counted else "consumed"):
+            ours = "a sampler of your own (it counts batches)" if self._counted else \
+                "a tc.DistributedSampler (it counts samples, and resumes at any world size)"
+            raise ValueError(f"cannot load this state into DataLoader: it was saved by a loader "
+                             f"whose state counts {counts!r}, and this loader reads {ours}. "
+                             "Resume with the same kind of sampler that saved it")
+        current = self._counted_state()
+        checked = check_state(state, {k: current[k] for k in _COUNTED_MATCHING}, _COUNTED_FIELDS,
+                              "DataLoader", "Resume with the same dataset, sampler and batch size "
+                              "that saved the state.")
+        self._check_content(checked["content"], 0)
+        generators = pass_generators(self, self._index_sampler)
+        start = PassStart.from_json(checked["rng"], len(generators))
+        start.check(generators)
+        self._stop_live(_LOADED)
+        self._generation += 1
+        self._resume = (checked["batches"], start)
 
     def _checked_state(self, state: Any) -> dict[str, Any]:
         """``state``'s fields, every one checked against this loader (as its version saved them)."""
@@ -566,17 +736,16 @@ class DataLoader(torch.utils.data.DataLoader):
             raise ValueError(f"cannot load this state into DataLoader: {error}") from error
 
 
-def _check_loader_args(*, batch_size: Any, shuffle: Any, num_workers: Any, pin_memory: Any,
-                       drop_last: Any, timeout: Any, seed: Any, prefetch_batches: Any,
-                       compact_transfer: Any) -> None:
+def _check_loader_args(*, batch_size: Any, num_workers: Any, drop_last: Any, pin_memory: Any,
+                       timeout: Any, seed: Any, prefetch_batches: Any, compact_transfer: Any) -> None:
     """Type and range of the loader's own and torch's plain arguments, so a wrong one fails
-    here, named, instead of being taken as true (``shuffle="no"``) or failing inside torch."""
+    here, named, instead of failing inside torch. (``shuffle`` and ``pin_memory`` are taken for
+    their truth, as torch takes them, but a string is refused; ``drop_last`` must be a bool, as
+    torch's BatchSampler requires.)"""
     optional_int_arg(batch_size, "batch_size", 1)
-    if shuffle is not None:
-        bool_arg(shuffle, "shuffle")
     int_arg(num_workers, "num_workers", 0)
-    bool_arg(pin_memory, "pin_memory")
     bool_arg(drop_last, "drop_last")
+    flag_arg(pin_memory, "pin_memory")
     number_arg(timeout, "timeout", 0)
     optional_int_arg(seed, "seed", 0)
     optional_int_arg(prefetch_batches, "prefetch_batches", 0)
@@ -605,6 +774,8 @@ class _Batches(torch.utils.data.Dataset):
 
     def __getitem__(self, indices: Any) -> Any:
         dataset, how = self.dataset, self.how
+        if how in ("batch", "compact") and not isinstance(indices, np.ndarray):
+            indices = np.asarray(indices, dtype=np.int64)  # a batch sampler's list
         if how == "batch":
             return dataset.get_batch(indices)
         if how == "compact":
@@ -652,6 +823,38 @@ class _BatchIndices(torch.utils.data.Sampler):
         take = batch_indices(iter(self.sampler), self.batch_size, self.drop_last)
         while (index := take()) is not None:
             yield index
+
+
+def _draw_base_seed(generator: torch.Generator | None) -> None:
+    """The draw torch's DataLoader makes at every ``iter()`` (its workers' base seed), from
+    ``generator`` or torch's global generator: a training loop's later random numbers (and a
+    RandomSampler's order) are then the same as under torch's loader."""
+    torch.empty((), dtype=torch.int64).random_(generator=generator)
+
+
+class _PassIndices(torch.utils.data.Sampler):
+    """(A sampler of the user's own) the batches' indices of the current pass, for the workers'
+    loader: the loader sets ``source`` at each ``iter()``."""
+
+    def __init__(self) -> None:
+        self.source: Iterator[Any] = iter(())
+
+    def __iter__(self) -> Iterator[Any]:
+        return self.source
+
+
+_NO_BATCH = object()
+
+
+def _skipping_on_first(indices: Iterator[Any], skip: int) -> Iterator[Any]:
+    """``indices`` past its first ``skip`` items, skipped when the first one is asked for."""
+    yield from skip_batches(indices, skip)
+
+
+def _take_from(indices: Iterator[Any]) -> Callable[[], Any]:
+    """``take()`` for a BatchReader over an index sampler's iterator: its next item, None at
+    the end."""
+    return functools.partial(next, indices, None)
 
 
 def _as_is(batch: Any) -> Any:
@@ -707,19 +910,14 @@ class _Finished:
         return getattr(self._inner, name)
 
 
-class _CountingIterator:
-    """Wraps torch's loader iterator; advances ``loader._consumed`` as batches are returned."""
+class _LiveIterator:
+    """A loader's live iterator: wraps the batches of one mode and counts what it returns in
+    the loader (subclasses: ``_received_batch``, ``_ended``); the loader can stop it."""
 
-    def __init__(self, loader: DataLoader, inner: Iterator[Any], start: int, count: int | None,
-                 generation: int) -> None:
+    def __init__(self, loader: DataLoader, inner: Iterator[Any], generation: int) -> None:
         self._loader = loader
         self._inner = inner
-        self._start = start
-        self._count = count
         self._generation = generation
-        self._world = loader.sampler.world_size
-        self._batch = loader._samples_per_batch()
-        self._received = 0  # samples of this rank returned so far
         self._stopped: str | None = None  # why the loader stopped this iterator
         self._done = False
 
@@ -731,29 +929,69 @@ class _CountingIterator:
             self._stopped = reason
             self._inner = iter(())
 
-    def __iter__(self) -> _CountingIterator:
+    def __iter__(self) -> _LiveIterator:
         return self
 
     def __next__(self) -> Any:
-        loader = self._loader
         if self._done:
             raise StopIteration
         if self._stopped is None:
-            loader._adopt_sampler_moves()  # a sampler moved under this iterator stops it
+            self._loader._adopt_sampler_moves()  # a sampler moved under this iterator stops it
         if self._stopped is not None:
             raise RuntimeError(self._stopped)
         try:
             batch = next(self._inner)
-            if self._count is None and loader.sampler.growing is False:
-                # a growing cache just completed: this loader epoch's length is known from now on
-                self._count = loader.sampler.iteration_length(self._start)
         except StopIteration:
             self._done = True
-            if self._count is None:
-                self._count = loader.sampler.iteration_length(self._start)
-            if self._count is not None and loader._generation == self._generation:
-                loader._consumed = self._start + self._count * self._world
+            self._ended(self._loader._generation == self._generation)
             raise
+        self._received_batch(self._loader._generation == self._generation)
+        return batch
+
+    def _received_batch(self, counts: bool) -> None:
+        raise NotImplementedError
+
+    def _ended(self, counts: bool) -> None:
+        raise NotImplementedError
+
+    def __getattr__(self, name: str) -> Any:  # torch iterator internals stay reachable
+        if name == "_inner":
+            raise AttributeError(name)
+        return getattr(self._inner, name)
+
+
+class _PassIterator(_LiveIterator):
+    """(A sampler of the user's own) counts the batches of the pass as they are returned."""
+
+    def _received_batch(self, counts: bool) -> None:
+        if counts:
+            self._loader._pass_received += 1
+
+    def _ended(self, counts: bool) -> None:
+        if counts:
+            self._loader._pass_ended(self._generation)
+
+    def __len__(self) -> int:
+        return len(self._loader)
+
+
+class _CountingIterator(_LiveIterator):
+    """Advances ``loader._consumed`` (global stream positions) as batches are returned."""
+
+    def __init__(self, loader: DataLoader, inner: Iterator[Any], start: int, count: int | None,
+                 generation: int) -> None:
+        super().__init__(loader, inner, generation)
+        self._start = start
+        self._count = count
+        self._world = loader.sampler.world_size
+        self._batch = loader._samples_per_batch()
+        self._received = 0  # samples of this rank returned so far
+
+    def _received_batch(self, counts: bool) -> None:
+        loader = self._loader
+        if self._count is None and loader.sampler.growing is False:
+            # a growing cache just completed: this loader epoch's length is known from now on
+            self._count = loader.sampler.iteration_length(self._start)
         size = self._batch
         if self._count is not None:
             size = min(size, self._count - self._received)
@@ -761,14 +999,14 @@ class _CountingIterator:
         received = self._received
         if loader.drop_last and self._count is not None and self._count - received < self._batch:
             received = self._count  # the short remainder is dropped: this was the epoch's last batch
-        if loader._generation == self._generation:
+        if counts:
             loader._consumed = self._start + received * self._world
-        return batch
 
-    def __getattr__(self, name: str) -> Any:  # torch iterator internals stay reachable
-        if name == "_inner":
-            raise AttributeError(name)
-        return getattr(self._inner, name)
+    def _ended(self, counts: bool) -> None:
+        if self._count is None:
+            self._count = self._loader.sampler.iteration_length(self._start)
+        if self._count is not None and counts:
+            self._loader._consumed = self._start + self._count * self._world
 
     def __len__(self) -> int:
         if self._count is None:

@@ -20,8 +20,8 @@ import numpy as np
 import torch
 from torch.utils.data import Sampler
 
-from .._util.args import (POSITION_LIMIT, bool_arg, index_array, int_arg, number_arg, optional_int_arg,
-                    position_arg)
+from .._util.args import (POSITION_LIMIT, bool_arg, flag_arg, index_array, int_arg, number_arg,
+                          optional_int_arg, position_arg)
 from .._util.lru import LRUCache
 from ..order.permutation import PERMUTATION_ALGORITHM, Permutation, derive_key
 from ..order.state import check_state
@@ -190,8 +190,8 @@ class DistributedSampler(Sampler[int]):
         if self._dataset_size == 0 and not self._growing:
             raise ValueError("dataset is empty: DistributedSampler needs len(dataset) >= 1")
         self.seed = int_arg(seed, "seed", 0)
-        self.shuffle = bool_arg(shuffle, "shuffle")
-        self.drop_last = bool_arg(drop_last, "drop_last")
+        self.shuffle = flag_arg(shuffle, "shuffle")  # truthy, as torch takes it
+        self.drop_last = flag_arg(drop_last, "drop_last")
         default_rank, default_world = _distributed_defaults()
         given = _replicas(num_replicas, world_size)
         # (rank, world) taken from torch.distributed's absence: checked again at iter()
@@ -310,6 +310,39 @@ class DistributedSampler(Sampler[int]):
             if self._dataset_size == 0:
                 raise ValueError("the finished cache holds no complete sample")
             self._check_drop_last()
+
+    @property
+    def follows_length(self) -> bool:
+        """True for a dataset that is not torchcache's (a list, a map-style dataset of your
+        own): its length may change between passes, as torch's samplers allow (see
+        :meth:`follow_dataset_length`). A cache's datasets grow through their cache instead, and
+        a mixture's indices are unbounded."""
+        return not (self.unbounded or hasattr(self.dataset, "refresh")
+                    or hasattr(self.dataset, "complete"))
+
+    def follow_dataset_length(self) -> bool:
+        """Re-read ``len(dataset)`` of a dataset that :attr:`follows_length` (torch's samplers
+        read it at every ``iter()``): a list that grew or shrank since is read at its new
+        length from the next ``iter()`` on. True if the length changed. Only call it between
+        passes: a live iterator reads indices of the length it started with.
+
+        >>> data = list(range(4))
+        >>> sampler = tc.DistributedSampler(data, shuffle=False)
+        >>> data.append(4)
+        >>> sampler.follow_dataset_length(), len(sampler)
+        (True, 5)
+        """
+        if not self.follows_length:
+            return False
+        n = dataset_length(self.dataset)
+        if n == self._dataset_size:
+            return False
+        if n == 0:
+            raise ValueError("dataset is empty: DistributedSampler needs len(dataset) >= 1")
+        self._dataset_size = n
+        self._perms.clear()
+        self._check_drop_last()
+        return True
 
     def _permutation(self, epoch: int) -> Permutation:
         return self._perms.get_or_make(
