@@ -364,7 +364,7 @@ def test_sampler_methods_and_state():
         (dict(batch_size=2.5), TypeError, "batch_size"),
         (dict(num_workers=-1), ValueError, "num_workers"),
         (dict(num_workers=1.5), TypeError, "num_workers"),
-        (dict(drop_last="yes"), TypeError, "drop_last"),
+        (dict(drop_last="yes"), ValueError, "drop_last"),  # torch's BatchSampler's check
         (dict(pin_memory="yes"), TypeError, "pin_memory"),
         (dict(timeout=-1), ValueError, "timeout"),
         (dict(timeout=float("inf")), ValueError, "timeout"),

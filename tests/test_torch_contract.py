@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import sys
 from typing import Dict, List
 
@@ -273,17 +274,68 @@ def test_a_flag_given_as_a_string_is_refused_not_taken_as_true():
 
 
 class Stream(tud.IterableDataset):
+    """An iterable dataset that splits its items among workers, as torch's docs show."""
+
     def __iter__(self):
-        return iter(range(5))
+        info = tud.get_worker_info()
+        items = range(11)
+        return iter(items if info is None else items[info.id::info.num_workers])
 
     def __len__(self) -> int:
-        return 5
+        return 11
 
 
-def test_an_iterable_dataset_is_refused_with_what_to_use_instead():
-    assert [b.tolist() for b in tud.DataLoader(Stream(), batch_size=2)] == [[0, 1], [2, 3], [4]]
-    with pytest.raises(TypeError, match="Stream is an IterableDataset.*torch.utils.data.DataLoader"):
-        tc.DataLoader(Stream(), batch_size=2)
+@pytest.mark.parametrize("kwargs", [dict(batch_size=2), dict(batch_size=3, num_workers=2),
+                                    dict(batch_size=None)])
+def test_an_iterable_dataset_reads_as_with_torch_and_has_no_state(kwargs):
+    ours, theirs = tc.DataLoader(Stream(), **kwargs), tud.DataLoader(Stream(), **kwargs)
+    assert [torch.as_tensor(b).tolist() for b in ours] == [torch.as_tensor(b).tolist() for b in theirs]
+    assert len(ours) == len(theirs)
+    for call in (ours.state_dict, lambda: ours.load_state_dict({}), lambda: ours.consumed):
+        with pytest.raises(TypeError, match=r"IterableDataset \(Stream\).*no state"):
+            call()
+    with pytest.raises(ValueError, match="expected unspecified shuffle"):  # torch's own check
+        tc.DataLoader(Stream(), shuffle=True)
+
+
+class Failing(tud.Dataset):
+    def __len__(self) -> int:
+        return 20
+
+    def __getitem__(self, i: int) -> torch.Tensor:
+        if i in (5, 13):
+            raise ValueError(f"sample {i} is unreadable")
+        return torch.tensor([i])
+
+
+def outcomes(loader) -> list:
+    """Each next() of a pass: the batch's indices, or the error's message."""
+    got, it = [], iter(loader)
+    while True:
+        try:
+            got.append(next(it).reshape(-1).tolist())
+        except ValueError as error:  # (from a worker, torch's message holds the original's)
+            got.append(re.search(r"sample \d+ is unreadable", str(error)).group())
+        except StopIteration:
+            return got
+
+
+@pytest.mark.parametrize("mode", [dict(), dict(prefetch_batches=3), dict(num_workers=2)])
+def test_after_a_batch_that_fails_the_next_ones_follow_as_with_torch(mode):
+    workers = dict(num_workers=mode["num_workers"]) if "num_workers" in mode else {}
+    theirs = outcomes(tud.DataLoader(Failing(), batch_size=2, **workers))
+    assert theirs[2] == "sample 5 is unreadable" and len(theirs) == 10
+    loader = tc.DataLoader(Failing(), batch_size=2, **mode)
+    assert outcomes(loader) == theirs
+    # a state saved right at the error resumes at that batch (to make it again); once the loop
+    # went on past it, it counts as received
+    loader = tc.DataLoader(Failing(), batch_size=2, **mode)
+    it = iter(loader)
+    next(it), next(it)
+    with pytest.raises(ValueError, match="sample 5"):
+        next(it)
+    assert loader.consumed == 4
+    assert next(it).tolist() == [[6], [7]] and loader.consumed == 8
 
 
 @pytest.mark.parametrize("mode", [dict(), dict(prefetch_batches=0), dict(num_workers=2)])
@@ -299,3 +351,42 @@ def test_a_pass_draws_from_torchs_generator_what_torchs_loader_draws(mode):
     for _ in tc.DataLoader(data, batch_size=4, **mode):
         pass
     assert torch.equal(torch.rand(3), theirs)
+
+
+class _SamplerAsDataset(tud.Dataset):
+    """The pattern of Lightning's DistributedSamplerWrapper: a sampler's indices as a dataset."""
+
+    def __init__(self, sampler) -> None:
+        self._sampler = sampler
+        self._indices = None
+
+    def __getitem__(self, i: int) -> int:
+        if self._indices is None:
+            self._indices = list(self._sampler)
+        return self._indices[i]
+
+    def __len__(self) -> int:
+        return len(self._sampler)
+
+
+class SplittingWrapper(tud.DistributedSampler):
+    """A torch DistributedSampler over another sampler's indices (as Lightning wraps samplers)."""
+
+    def __init__(self, sampler, *args, **kwargs) -> None:
+        super().__init__(_SamplerAsDataset(sampler), *args, **kwargs)
+
+    def __iter__(self):
+        self.dataset._indices = None
+        return (self.dataset[i] for i in super().__iter__())
+
+
+def test_a_sampler_that_splits_an_already_split_one_again_is_refused():
+    ds = IdDataset(40)
+    split = tc.DistributedSampler(ds, 2, 1, shuffle=False)  # rank 1 of 2
+    with pytest.raises(ValueError, match="split across 2 ranks already.*use_distributed_sampler=False"):
+        tc.DataLoader(ds, batch_size=4, sampler=SplittingWrapper(split, 2, 1, shuffle=False))
+    # a wrapper over a sampler of one rank splits it once: what torch does
+    whole = tc.DistributedSampler(ds, 1, 0, shuffle=False)
+    wrapped = SplittingWrapper(whole, 2, 1, shuffle=False)
+    assert batches(tc.DataLoader(ds, batch_size=4, sampler=wrapped)) == batches(
+        tud.DataLoader(ds, batch_size=4, sampler=wrapped))

@@ -274,10 +274,8 @@ class BatchReader:
             # competes for the GIL with this thread's return to the loop less often
             if state.ahead and state.claimed - state.wanted <= state.depth // 2:
                 state.work.notify()
-            if isinstance(item, _Failure):
-                self._finish()
-        if isinstance(item, _Failure):
-            raise item.error
+        if isinstance(item, _Failure):  # a batch that could not be read: the next ones follow,
+            raise item.error  # as with torch's loader (a failure to take indices ended it above)
         self._returned_at = self._clock()
         return item
 

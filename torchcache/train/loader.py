@@ -134,8 +134,11 @@ class DataLoader(torch.utils.data.DataLoader[T_co]):
 
     All of torch's arguments work (sampler, batch_sampler, num_workers, prefetch_factor,
     persistent_workers, pin_memory, collate_fn, drop_last, generator, multiprocessing_context,
-    ...); ``in_order=False`` is refused (counting needs the batches in order), and so is an
-    IterableDataset (use torch's DataLoader for it). With no sampler, a
+    ...); ``in_order=False`` is refused (counting needs the batches in order). An
+    IterableDataset is read exactly as torch's DataLoader reads it, with no state (its order is
+    its own: ``state_dict()`` raises TypeError). A batch that cannot be made raises from
+    ``next()`` and the next batches follow, as in torch; it counts as received once the loop
+    asks for the next one (a state saved right at the error resumes at it). With no sampler, a
     :class:`torchcache.DistributedSampler` is built with ``shuffle`` (default False, as in
     torch) and the keyword ``seed`` (default 0; with ``shuffle`` and a ``generator`` and no
     ``seed``, the seed is drawn from the generator once, as torch's RandomSampler draws one). A
@@ -270,13 +273,20 @@ class DataLoader(torch.utils.data.DataLoader[T_co]):
         compact_transfer: bool = True,
         **kwargs: Any,
     ) -> None:
-        if isinstance(dataset, torch.utils.data.IterableDataset):
-            raise TypeError(
-                f"torchcache.DataLoader reads map-style datasets (len() and indexing), whose order "
-                f"it can count and resume; {type(dataset).__name__} is an IterableDataset, which "
-                "yields its own order. Use torch.utils.data.DataLoader for it (or torchdata's "
-                "StatefulDataLoader, if it has a state of its own), or a torchcache dataset")
-        _check_loader_args(batch_size=batch_size, num_workers=num_workers, drop_last=drop_last,
+        self._counted = False
+        self._iterable = isinstance(dataset, torch.utils.data.IterableDataset)
+        if self._iterable:  # torch's loader, as it is: its order is the dataset's own
+            if seed is not None or prefetch_batches:
+                raise ValueError(f"seed= and prefetch_batches= do not apply to an IterableDataset "
+                                 f"({type(dataset).__name__}): it yields its own order")
+            super().__init__(
+                dataset, batch_size=batch_size, shuffle=shuffle, sampler=sampler,
+                batch_sampler=batch_sampler, num_workers=num_workers, collate_fn=collate_fn,
+                pin_memory=pin_memory, drop_last=drop_last, timeout=timeout,
+                worker_init_fn=worker_init_fn, multiprocessing_context=multiprocessing_context,
+                generator=generator, **kwargs)
+            return
+        _check_loader_args(batch_size=batch_size, num_workers=num_workers,
                            pin_memory=pin_memory, timeout=timeout, seed=seed,
                            prefetch_batches=prefetch_batches,
                            compact_transfer=compact_transfer)
@@ -284,6 +294,8 @@ class DataLoader(torch.utils.data.DataLoader[T_co]):
         # it, and the state counts batches (see torchcache.train.counted)
         counted = batch_sampler is not None or (sampler is not None
                                                 and not isinstance(sampler, DistributedSampler))
+        if counted:
+            _refuse_splitting_twice(batch_sampler if batch_sampler is not None else sampler)
         if counted and seed is not None:
             raise ValueError("seed= seeds the DistributedSampler tc.DataLoader makes when no sampler "
                              "is given; with a sampler or batch_sampler of your own, seed that one")
@@ -384,10 +396,19 @@ class DataLoader(torch.utils.data.DataLoader[T_co]):
         >>> loader.consumed  # 10 batches of 8 (on each rank: all ranks together count)
         80
         """
+        self._refuse_iterable("consumed")
         if self._counted:
             return self._resume[0] if self._resume is not None else self._pass_received
         self._adopt_sampler_moves()
         return self._consumed
+
+    def _refuse_iterable(self, what: str) -> None:
+        if self._iterable:
+            raise TypeError(
+                f"{what}: this loader reads an IterableDataset ({type(self.dataset).__name__}), "
+                "as torch's DataLoader does, and has no state: its order is the dataset's own. "
+                "For exact resume use a map-style dataset (a torchcache dataset); for an "
+                "IterableDataset with a state_dict() of its own, torchdata's StatefulDataLoader")
 
     def _samples_per_batch(self) -> int:
         return 1 if self.batch_size is None else self.batch_size
@@ -433,6 +454,8 @@ class DataLoader(torch.utils.data.DataLoader[T_co]):
         self._position_sampler(self._consumed)
 
     def __iter__(self) -> Iterator[Any]:
+        if self._iterable:
+            return super().__iter__()
         self._stop_live(_REPLACED)
         if self._counted:
             generation = self._generation = self._generation + 1
@@ -499,7 +522,7 @@ class DataLoader(torch.utils.data.DataLoader[T_co]):
             make = _one_at_a_time(make)
         read = make if finish is None else (lambda index: finish(make(index)))
         if not self.prefetch_batches:
-            return _synchronous(take, read)
+            return _Synchronous(take, read)
         reader = BatchReader(take, read, self.prefetch_batches, self.timeout)
         self._prefetcher = weakref.ref(reader)
         return reader
@@ -530,7 +553,7 @@ class DataLoader(torch.utils.data.DataLoader[T_co]):
         >>> len(tc.DataLoader(range(10), batch_size=4))
         3
         """
-        if self._counted:
+        if self._counted or self._iterable:
             return super().__len__()
         self._follow_dataset_length()
         count = self.sampler.iteration_length(self.consumed)
@@ -547,6 +570,7 @@ class DataLoader(torch.utils.data.DataLoader[T_co]):
         >>> state["consumed"], state["seed"], state["shuffle"], state["num_samples"]
         (8, 0, True, 100)
         """
+        self._refuse_iterable("state_dict()")
         if self._counted:
             return self._counted_state()
         sampler = self.sampler
@@ -644,6 +668,7 @@ class DataLoader(torch.utils.data.DataLoader[T_co]):
                 "save and load tc.DataLoader.state_dict() instead, or load it with "
                 "sampler.load_state_dict()"
             )
+        self._refuse_iterable("load_state_dict()")
         counts = state.get("counts") if isinstance(state, Mapping) else None
         if self._counted or counts == "batches":
             self._load_counted(state, counts)
@@ -736,17 +761,17 @@ class DataLoader(torch.utils.data.DataLoader[T_co]):
             raise ValueError(f"cannot load this state into DataLoader: {error}") from error
 
 
-def _check_loader_args(*, batch_size: Any, num_workers: Any, drop_last: Any, pin_memory: Any,
-                       timeout: Any, seed: Any, prefetch_batches: Any, compact_transfer: Any) -> None:
+def _check_loader_args(*, batch_size: Any, num_workers: Any, pin_memory: Any, timeout: Any,
+                       seed: Any, prefetch_batches: Any, compact_transfer: Any) -> None:
     """Type and range of the loader's own and torch's plain arguments, so a wrong one fails
     here, named, instead of failing inside torch. (``shuffle`` and ``pin_memory`` are taken for
-    their truth, as torch takes them, but a string is refused; ``drop_last`` must be a bool, as
-    torch's BatchSampler requires.)"""
+    their truth, as torch takes them, but a string is refused.)"""
+    # the types here; torch's own checks refuse, in its words, num_workers < 0, timeout < 0
+    # and a drop_last that is not a bool
     optional_int_arg(batch_size, "batch_size", 1)
-    int_arg(num_workers, "num_workers", 0)
-    bool_arg(drop_last, "drop_last")
+    int_arg(num_workers, "num_workers", None)
     flag_arg(pin_memory, "pin_memory")
-    number_arg(timeout, "timeout", 0)
+    number_arg(timeout, "timeout", None)
     optional_int_arg(seed, "seed", 0)
     optional_int_arg(prefetch_batches, "prefetch_batches", 0)
     bool_arg(compact_transfer, "compact_transfer")
@@ -825,6 +850,31 @@ class _BatchIndices(torch.utils.data.Sampler):
             yield index
 
 
+def _refuse_splitting_twice(index_sampler: Any) -> None:
+    """ValueError for a sampler that splits indices across ranks (a torch DistributedSampler,
+    e.g. Lightning's DistributedSamplerWrapper) around a tc.DistributedSampler that is split
+    across ranks already: each rank would silently read a fraction of its share."""
+    outer, todo, seen = None, [(index_sampler, 0)], set()
+    while todo:
+        obj, depth = todo.pop()
+        if obj is None or id(obj) in seen or depth > 4:
+            continue
+        seen.add(id(obj))
+        if isinstance(obj, DistributedSampler):
+            if outer is not None and obj.world_size > 1:
+                raise ValueError(
+                    f"the sampler given ({type(index_sampler).__name__}) splits across "
+                    f"{outer.num_replicas} ranks a tc.DistributedSampler that is split across "
+                    f"{obj.world_size} ranks already: each rank would read 1/{outer.num_replicas} "
+                    "of its share. Pass the tc.DistributedSampler itself (with Lightning: "
+                    "Trainer(use_distributed_sampler=False))")
+            continue
+        if isinstance(obj, torch.utils.data.DistributedSampler) and obj.num_replicas > 1:
+            outer = outer or obj
+        for name in ("sampler", "batch_sampler", "dataset", "_sampler", "data_source"):
+            todo.append((getattr(obj, name, None), depth + 1))
+
+
 def _draw_base_seed(generator: torch.Generator | None) -> None:
     """The draw torch's DataLoader makes at every ``iter()`` (its workers' base seed), from
     ``generator`` or torch's global generator: a training loop's later random numbers (and a
@@ -872,10 +922,28 @@ def _one_at_a_time(make: Callable[[Any], Any]) -> Callable[[Any], Any]:
     return made_alone
 
 
-def _synchronous(take: Callable[[], Any], read: Callable[[Any], Any]) -> Iterator[Any]:
-    """The synchronous mode: each batch made when asked for."""
-    while (index := take()) is not None:
-        yield read(index)
+class _Synchronous:
+    """The synchronous mode: each batch made when asked for. A batch that cannot be made raises
+    and the next ones follow (as with torch's loader); a failure to take indices ends it."""
+
+    def __init__(self, take: Callable[[], Any], read: Callable[[Any], Any]) -> None:
+        self._take, self._read, self._ended = take, read, False
+
+    def __iter__(self) -> "_Synchronous":
+        return self
+
+    def __next__(self) -> Any:
+        if self._ended:
+            raise StopIteration
+        try:
+            index = self._take()
+        except BaseException:
+            self._ended = True
+            raise
+        if index is None:
+            self._ended = True
+            raise StopIteration
+        return self._read(index)
 
 
 def _pin_device() -> str | None:
@@ -920,6 +988,7 @@ class _LiveIterator:
         self._generation = generation
         self._stopped: str | None = None  # why the loader stopped this iterator
         self._done = False
+        self._failed = 0  # batches raised as errors since the last one returned
 
     def stop(self, reason: str) -> None:
         """No more batches: ``next()`` raises RuntimeError(``reason``) (StopIteration once
@@ -939,13 +1008,22 @@ class _LiveIterator:
             self._loader._adopt_sampler_moves()  # a sampler moved under this iterator stops it
         if self._stopped is not None:
             raise RuntimeError(self._stopped)
+        counts = self._loader._generation == self._generation
         try:
             batch = next(self._inner)
         except StopIteration:
             self._done = True
-            self._ended(self._loader._generation == self._generation)
+            self._ended(counts)
             raise
-        self._received_batch(self._loader._generation == self._generation)
+        except Exception:
+            # a batch that could not be made: the loop gets its error. It counts as received
+            # once the loop asks for the next batch (it went on past it, as with torch's
+            # loader); a state saved before that resumes at it, to make it again.
+            self._failed += 1
+            raise
+        for _ in range(self._failed + 1):
+            self._received_batch(counts)
+        self._failed = 0
         return batch
 
     def _received_batch(self, counts: bool) -> None:

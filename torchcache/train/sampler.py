@@ -197,10 +197,11 @@ class DistributedSampler(Sampler[int]):
         # (rank, world) taken from torch.distributed's absence: checked again at iter()
         self._assumed_single = given is None and rank is None and default_world == 1
         self.world_size = default_world if given is None else given
-        self.rank = int_arg(default_rank if rank is None else rank, "rank", 0)
-        if self.rank >= self.world_size:
-            raise ValueError(f"rank must be < num_replicas (world_size), got rank={self.rank}, "
-                             f"num_replicas={self.world_size}")
+        self.rank = int_arg(default_rank if rank is None else rank, "rank", None)
+        if not 0 <= self.rank < self.world_size:
+            raise ValueError(f"Invalid rank {self.rank}, rank should be in the interval "
+                             f"[0, {self.world_size - 1}] (num_replicas, or world_size, is "
+                             f"{self.world_size})")
         self.infinite = bool_arg(infinite, "infinite")
         self.max_epochs = optional_int_arg(max_epochs, "max_epochs", 0)
         self.max_samples = optional_int_arg(max_samples, "max_samples", 0)
