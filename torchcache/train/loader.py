@@ -296,9 +296,10 @@ class DataLoader(torch.utils.data.DataLoader[T_co]):
                                                 and not isinstance(sampler, DistributedSampler))
         if counted:
             _refuse_splitting_twice(batch_sampler if batch_sampler is not None else sampler)
-        if counted and seed is not None:
-            raise ValueError("seed= seeds the DistributedSampler tc.DataLoader makes when no sampler "
-                             "is given; with a sampler or batch_sampler of your own, seed that one")
+            if seed is not None:
+                raise ValueError("seed= seeds the DistributedSampler tc.DataLoader makes when no "
+                                 "sampler is given; with a sampler or batch_sampler of your own, "
+                                 "seed that one")
         if not kwargs.get("in_order", True):
             raise ValueError(
                 "in_order=False is not supported by torchcache.DataLoader: batches must arrive in "
@@ -575,14 +576,8 @@ class DataLoader(torch.utils.data.DataLoader[T_co]):
             return self._counted_state()
         sampler = self.sampler
         consumed = self.consumed
-        schedule = None
-        if _edits_future(self.dataset):
-            fingerprint = self.dataset.resume_fingerprint(consumed)
-            schedule = self.dataset.resume_prefix(consumed)
-        else:
-            fingerprint = getattr(self.dataset, "fingerprint", None)
-        if fingerprint is not None and not isinstance(fingerprint, (str, int)):
-            fingerprint = str(fingerprint)
+        fingerprint, content = self._identity(consumed)
+        schedule = self.dataset.resume_prefix(consumed) if _edits_future(self.dataset) else None
         return {
             "format": LOADER_STATE_FORMAT,
             "version": LOADER_STATE_VERSION,
@@ -597,12 +592,16 @@ class DataLoader(torch.utils.data.DataLoader[T_co]):
             "world_size": sampler.world_size,
             "batch_size": self.batch_size,
             "schedule": schedule,
-            "content": self.dataset.content_identity if knows_content(self.dataset) else None,
+            "content": content,
         }
 
-    def _identity(self) -> tuple[str | int | None, dict[str, Any] | None]:
-        """(fingerprint, content identity) of a dataset that is not a mixture, as states save them."""
-        fingerprint = getattr(self.dataset, "fingerprint", None)
+    def _identity(self, consumed: int | None = None) -> tuple[str | int | None, dict[str, Any] | None]:
+        """(fingerprint, content identity) of the dataset, as states save them: a mixture's
+        fingerprint is of what it read before ``consumed`` (None: the whole mixture's)."""
+        if consumed is not None and _edits_future(self.dataset):
+            fingerprint = self.dataset.resume_fingerprint(consumed)
+        else:
+            fingerprint = getattr(self.dataset, "fingerprint", None)
         if fingerprint is not None and not isinstance(fingerprint, (str, int)):
             fingerprint = str(fingerprint)
         return fingerprint, (self.dataset.content_identity if knows_content(self.dataset) else None)
