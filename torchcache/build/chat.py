@@ -550,7 +550,7 @@ def trained_token_mask(offsets: Any, spans: Sequence[Span]) -> np.ndarray:
     is trained when its position lies inside a span (start <= position < end).
     offsets: the tokenizer's (start, end) character offsets, one pair per token.
     """
-    tokens = np.asarray(offsets, dtype=np.int64).reshape(-1, 2)
+    tokens = _offset_array(offsets)
     trained = _span_array(spans)
     if len(trained) == 0 or len(tokens) == 0:
         return np.zeros(len(tokens), dtype=bool)
@@ -559,6 +559,15 @@ def trained_token_mask(offsets: Any, spans: Sequence[Span]) -> np.ndarray:
     first = np.searchsorted(trained[:, 1], starts, side="right")
     limit = np.where(ends > starts, ends, starts + 1)  # zero-width: the span must start at or before it
     return (first < len(trained)) & (trained[np.minimum(first, len(trained) - 1), 0] < limit)
+
+
+def _offset_array(offsets: Any) -> np.ndarray:
+    """Token offsets as an (n, 2) int64 array; a tokenizer's list of pairs is flattened through an
+    iterator (twice as fast as numpy converting the tuples one by one)."""
+    if isinstance(offsets, np.ndarray) or not isinstance(offsets, Sequence):
+        return np.asarray(offsets, dtype=np.int64).reshape(-1, 2)
+    flat = np.fromiter(itertools.chain.from_iterable(offsets), dtype=np.int64, count=2 * len(offsets))
+    return flat.reshape(-1, 2)
 
 
 def _span_array(spans: Sequence[Span]) -> np.ndarray:
