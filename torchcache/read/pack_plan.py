@@ -424,16 +424,11 @@ class PackPlan:
         """
         rows = np.asarray(rows, dtype=np.int64)
         with self._lock:
-            blocks = self.row_starts.searchsorted(rows, side="right")
-            blocks -= 1
-            if not self._all_checked and not np.logical_and.reduce(self._checked[blocks]):
-                self._check_blocks(blocks)
-            if self._one_chunk and len(rows):
-                return self._one_chunk_segments(rows, blocks, 0)
-            chunks = blocks // self.identity.chunk_blocks
-            if len(rows) and np.logical_and.reduce(chunks == chunks[0]):  # the usual batch: one chunk
-                return self._one_chunk_segments(rows, blocks, int(chunks[0]))
-            return self._segments_by_row(rows, blocks, chunks)
+            blocks = self._blocks_of(rows)
+            c = self._chunk_of_all(blocks) if len(rows) else None
+            if c is not None:  # the usual batch: one chunk
+                return self._one_chunk_segments(rows, blocks, c)
+            return self._segments_by_row(rows, blocks, blocks // self.identity.chunk_blocks)
 
     def full_rows(self, rows: np.ndarray) -> tuple[np.ndarray, np.ndarray] | None:
         """``(starts, continues)`` of rows ``rows`` (checked positions) if each holds one piece
@@ -444,16 +439,11 @@ class PackPlan:
         if not len(rows):
             return None
         with self._lock:
-            if self._one_chunk and self._all_checked:
-                c = 0
+            if self._one_chunk and self._all_checked:  # no block to find or check
+                c: int | None = 0
             else:
-                blocks = self.row_starts.searchsorted(rows, side="right")
-                blocks -= 1
-                if not self._all_checked and not np.logical_and.reduce(self._checked[blocks]):
-                    self._check_blocks(blocks)
-                chunks = blocks // self.identity.chunk_blocks
-                c = int(chunks[0])
-                if not self._one_chunk and not np.logical_and.reduce(chunks == c):
+                c = self._chunk_of_all(self._blocks_of(rows))
+                if c is None:
                     return None
             chunk = self._chunk(c)
             first_block = c * self.identity.chunk_blocks
@@ -464,6 +454,23 @@ class PackPlan:
             if not np.logical_and.reduce(full[local]):
                 return None
             return start[local], continues[local]
+
+    def _blocks_of(self, rows: np.ndarray) -> np.ndarray:
+        """The block of each of ``rows`` (checked positions), those not checked in this process
+        yet checked first (lock held)."""
+        blocks = self.row_starts.searchsorted(rows, side="right")
+        blocks -= 1
+        if not self._all_checked and not np.logical_and.reduce(self._checked[blocks]):
+            self._check_blocks(blocks)
+        return blocks
+
+    def _chunk_of_all(self, blocks: np.ndarray) -> int | None:
+        """The chunk that all of (non-empty) ``blocks`` lie in, or None if they span several."""
+        if self._one_chunk:
+            return 0
+        chunks = blocks // self.identity.chunk_blocks
+        c = int(chunks[0])
+        return c if np.logical_and.reduce(chunks == c) else None
 
     def _check_blocks(self, blocks: np.ndarray) -> None:
         """Check, in block order, the blocks of ``blocks`` not checked in this process yet."""

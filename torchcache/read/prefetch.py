@@ -110,9 +110,7 @@ class _ReaderState:
             if self.ahead:
                 self.work.notify()
         if index is None:
-            if self.end is None:
-                self.end = self.claimed
-            self.work.notify()  # the thread has nothing more to read: it ends
+            self._ran_out()
             return None
         k = self.claimed
         self.claimed += 1
@@ -133,14 +131,19 @@ class _ReaderState:
             self.cond.acquire()
             self.claiming = False
         if index is None:
-            if self.end is None:
-                self.end = self.claimed
-            self.work.notify()  # the thread has nothing more to read: it ends
+            self._ran_out()
             return False, None
         self.claimed += 1
         if self.ahead:
             self.work.notify()
         return True, item
+
+    def _ran_out(self) -> None:
+        """No more indices (lock held): the batches end where the claims stopped, and the thread,
+        with nothing more to read, ends."""
+        if self.end is None:
+            self.end = self.claimed
+        self.work.notify()
 
     def fill(self, k: int, index: Any) -> None:
         """Read batch ``k`` (lock held on entry and exit, released while reading)."""

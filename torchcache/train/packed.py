@@ -270,6 +270,8 @@ class PackedDataset(GrowingDataset):
         ``restarts``: the rows where something (a piece, or padding) follows the first piece.
         """
         n, C = len(idx), self.seq_len
+        cu = np.full((n, self.max_segments + 1), C, dtype=np.int32)
+        cu[:, 0] = 0
         full = self.plan.full_rows(idx)
         if full is not None and unsigned_max(full[0]) + C < self.cache.num_tokens:
             # every row one full piece (most batches of long documents): equal reads of C + 1 tokens
@@ -277,13 +279,9 @@ class PackedDataset(GrowingDataset):
             tokens = self.cache.read_many(starts, C + 1)
             ends = (~piece_continues).nonzero()[0]  # rows whose piece ends its document
             tokens[ends, C] = 0  # nothing follows it
-            cu = np.full((n, self.max_segments + 1), C, dtype=np.int32)
-            cu[:, 0] = 0
             return tokens, cu, np.ones(n, dtype=np.int64), piece_continues, (ends + 1) * C, _NO_ROWS
         segments = self.plan.segments(idx)
         row, length, count, piece_continues = segments.row, segments.length, segments.count, segments.continues
-        cu = np.full((n, self.max_segments + 1), C, dtype=np.int32)
-        cu[:, 0] = 0
         if len(length) == n:  # one piece in every row (a plan has no empty row): most rows of books
             tokens = np.empty((n, C + 1), dtype=self.cache.dtype)
             filled = length + piece_continues
