@@ -8,12 +8,13 @@ this process, or in the background behind a `BuildHandle`. See `engine` for the 
 from __future__ import annotations
 
 import os
-from typing import Any
+from typing import Any, Sequence
 
 import numpy as np
 
 from .._util.args import bool_arg, choice_arg, int_arg, optional_int_arg
 from .engine import BuildResult, progress_enabled, run_build
+from .formats import INPUT_FORMATS, check_train_on
 from .handle import BuildHandle
 from ..format.tokenizer import TokenizerLike
 
@@ -22,9 +23,12 @@ def build_cache(inputs: Any, output: str | os.PathLike, tokenizer: TokenizerLike
                 text_key: str = "text", block_tokens: int = 2 ** 24, num_workers: int | None = None,
                 on_error: str = "raise", background: bool = False, executor: str = "local",
                 eos: int | str | None = "auto", bos: int | str | None = None,
-                special_tokens_as_text: bool = True, progress: bool | None = None,
+                special_tokens_as_text: bool | None = None, progress: bool | None = None,
                 storage_options: dict[str, Any] | None = None,
-                vocab_size: int | None = None, allow_empty: bool = False) -> "BuildResult | BuildHandle":
+                vocab_size: int | None = None, allow_empty: bool = False,
+                input_format: str = "text", chat_template: str | os.PathLike | None = None,
+                train_on: str = "assistant",
+                keep_fields: Sequence[str] = ()) -> "BuildResult | BuildHandle":
     """Tokenize `inputs` into a cache at `output`.
 
     Re-running a finished build with the same arguments is a cheap no-op; an interrupted build
@@ -45,11 +49,23 @@ def build_cache(inputs: Any, output: str | os.PathLike, tokenizer: TokenizerLike
         background: return a BuildHandle at once; training can read the committed prefix.
         executor: "local" (processes on this machine) or "ray" (tasks on a Ray cluster).
         eos, bos: a token id, a token string, "auto" (the tokenizer's end-of-text) or None.
-        special_tokens_as_text: tokenize "<|endoftext|>" written in a document as plain text.
+        special_tokens_as_text: tokenize "<|endoftext|>" written in a document as plain text
+            (default True; for input_format="messages" the rendering's special tokens are tokens,
+            as Hugging Face's apply_chat_template makes them, and True is refused).
         progress: a progress bar; default on unless the TQDM_DISABLE environment variable is set.
         storage_options: fsspec options for remote inputs and outputs.
         vocab_size: for pre-tokenized inputs only (sets the dtype, checks the ids).
         allow_empty: accept a build whose inputs hold no document (else BuildError).
+        input_format: "text" (one string field, `text_key`); "messages" ({"messages": [{"role",
+            "content"}, ...]} or ShareGPT's {"conversations": [{"from", "value"}, ...]}, rendered
+            with the chat template); "prompt_completion" ({"prompt", "completion"}, joined as
+            given, the completion trained); "tokens" ({"input_ids", "loss_mask"} or
+            {"input_ids", "labels"} with -100 where not trained). All but "text" store a loss
+            mask (format v3) and read JSON lines files or an iterable of dicts.
+        chat_template: for "messages": Jinja text, a .jinja or JSON file, or None for the
+            tokenizer's own (tokenizer_config.json or chat_template.jinja beside tokenizer.json).
+        train_on: "assistant" (every assistant turn), "last_assistant" or "all" (every token).
+        keep_fields: fields of each record kept with its document (cache.document_info).
 
     Example (usually `tokenizer` is a tokenizer.json path and `inputs` a glob like
     "data/*.jsonl"):
@@ -75,7 +91,9 @@ def build_cache(inputs: Any, output: str | os.PathLike, tokenizer: TokenizerLike
                                 on_error=on_error, executor=executor, eos=eos, bos=bos,
                                 special_tokens_as_text=special_tokens_as_text,
                                 storage_options=storage_options, vocab_size=vocab_size,
-                                allow_empty=allow_empty)
+                                allow_empty=allow_empty, input_format=input_format,
+                                chat_template=chat_template, train_on=train_on,
+                                keep_fields=keep_fields)
     progress = None if progress is None else bool_arg(progress, "progress")
     if bool_arg(background, "background"):
         return BuildHandle.start(inputs, output, tokenizer, kwargs)
@@ -83,8 +101,8 @@ def build_cache(inputs: Any, output: str | os.PathLike, tokenizer: TokenizerLike
 
 
 def _checked_arguments(*, text_key, block_tokens, num_workers, on_error, executor, eos, bos,
-                       special_tokens_as_text, storage_options, vocab_size,
-                       allow_empty) -> dict[str, Any]:
+                       special_tokens_as_text, storage_options, vocab_size, allow_empty,
+                       input_format, chat_template, train_on, keep_fields) -> dict[str, Any]:
     """The build's arguments, each checked (type and value) before anything is read or written,
     as plain Python values (a numpy integer or bool becomes an int or a bool: they go into JSON)."""
     if not isinstance(text_key, str) or not text_key:
@@ -95,6 +113,17 @@ def _checked_arguments(*, text_key, block_tokens, num_workers, on_error, executo
                             f"not {token!r}")
     if storage_options is not None and not isinstance(storage_options, dict):
         raise TypeError(f"storage_options must be a dict of fsspec options, not {storage_options!r}")
+    input_format = choice_arg(input_format, "input_format", INPUT_FORMATS)
+    if chat_template is not None and input_format != "messages":
+        raise ValueError(f"chat_template is for input_format='messages', not {input_format!r}")
+    if isinstance(keep_fields, str) or not all(isinstance(k, str) and k for k in keep_fields):
+        raise TypeError(f"keep_fields must be a list of field names, not {keep_fields!r}")
+    if special_tokens_as_text is None:
+        special_tokens_as_text = input_format != "messages"
+    elif bool_arg(special_tokens_as_text, "special_tokens_as_text") and input_format == "messages":
+        raise ValueError("special_tokens_as_text=True cannot hold for input_format='messages': the "
+                         "chat template writes its markers (<|im_start|>...) as special tokens, which "
+                         "the rendering must keep; leave special_tokens_as_text unset")
     return dict(text_key=text_key, block_tokens=int_arg(block_tokens, "block_tokens", minimum=1),
                 num_workers=optional_int_arg(num_workers, "num_workers", minimum=0),
                 on_error=choice_arg(on_error, "on_error", ("raise", "skip")),
@@ -102,4 +131,6 @@ def _checked_arguments(*, text_key, block_tokens, num_workers, on_error, executo
                 special_tokens_as_text=bool_arg(special_tokens_as_text, "special_tokens_as_text"),
                 storage_options=storage_options,
                 vocab_size=optional_int_arg(vocab_size, "vocab_size", minimum=1, maximum=2 ** 32),
-                allow_empty=bool_arg(allow_empty, "allow_empty"))
+                allow_empty=bool_arg(allow_empty, "allow_empty"), input_format=input_format,
+                chat_template=chat_template, train_on=check_train_on(train_on),
+                keep_fields=tuple(keep_fields))

@@ -24,8 +24,7 @@ from .worker import BlockWritten, Event, InputDone, Progress, WorkerFailed, rais
 
 # Names the builder creates: only these are ever deleted, and only when the manifest does not
 # know them (left by a crash). Anything else in the output belongs to the user.
-_OWN_BLOCK_FILE = re.compile(r"\d{6}-\d{6}(\.offsets\.safetensors|\.keys\.json|\.safetensors)"
-                             rf"({re.escape(TMP_MARK)}\d+)?")
+_OWN_BLOCK_FILE = re.compile(fmt.BLOCK_FILES.pattern + rf"({re.escape(TMP_MARK)}\d+)?")
 _OWN_TOP_TMP = re.compile(rf"(manifest|tokenizer|head)\.json{re.escape(TMP_MARK)}\d+")
 _OWN_CHUNK = re.compile(r"\d{6}\.(bin|jsonl)")
 
@@ -208,14 +207,14 @@ def clean_leftovers(storage: Storage, manifest: dict[str, Any] | None) -> None:
     known = set()
     if manifest:
         for e in manifest["blocks"] + manifest.get("pending", []):
-            known.update((e["path"], e["offsets"], e.get("keys")))
+            known.update((e["path"], e["offsets"], e.get("keys"), e.get("docs")))
     fmt.remove_dead_temp_files(storage, "", fmt.TOP_FILES)
     fmt.remove_dead_temp_files(storage, fmt.BLOCK_DIR, _OWN_BLOCK_FILE)
     for name in storage.listdir(fmt.BLOCK_DIR):
         rel = f"{fmt.BLOCK_DIR}/{name}"
         if TMP_MARK not in name and _OWN_BLOCK_FILE.fullmatch(name) and rel not in known:
             storage.delete(rel)
-    if manifest and manifest["complete"] and manifest.get("version") == 2:
+    if manifest and manifest["complete"] and manifest.get("version", 1) >= 2:
         ledger.delete_log(storage)  # left by a crash right after the last commit
         remove_empty_log_dir(storage)
 
@@ -238,7 +237,7 @@ def damaged_pending(storage: Storage, manifest: dict[str, Any]) -> list[dict[str
 
 def _block_files_match(storage: Storage, entry: dict[str, Any]) -> bool:
     for name, checksum in (("path", "checksum"), ("offsets", "offsets_checksum"),
-                           ("keys", "keys_checksum")):
+                           ("keys", "keys_checksum"), ("docs", "docs_checksum")):
         if entry.get(name) is None:
             continue
         try:

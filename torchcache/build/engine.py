@@ -28,6 +28,8 @@ from .records import ITERABLE_PATH, InputSource
 from ..format.storage import LocalStorage, Storage, open_storage
 from ..format.tokenizer import TokenizerLike, canonical_json, fingerprint_of_json, load_tokenizer
 from .tokenizing import special_token_id
+from .chat import load_chat_template
+from .formats import documents_spec
 from .worker import BlockWritten, BuildJob, build_input
 
 
@@ -79,17 +81,26 @@ def run_build(inputs: Any, output: str | os.PathLike, tokenizer: TokenizerLike |
               special_tokens_as_text: bool, storage_options: dict[str, Any] | None,
               vocab_size: int | None = None, executor: str = "local", progress: bool = False,
               allow_empty: bool = False, report: Callable[[dict], None] | None = None,
-              should_stop: Callable[[], bool] | None = None) -> BuildResult:
+              should_stop: Callable[[], bool] | None = None, input_format: str = "text",
+              chat_template: Any = None, train_on: str = "assistant",
+              keep_fields: tuple[str, ...] = ()) -> BuildResult:
     """Build (or resume, or confirm) the cache; the arguments are `build_cache`'s, checked."""
     started = time.perf_counter()
     storage = open_storage(output, storage_options)
     resolved = resolve_inputs(inputs, storage_options)
     sources = resolved if isinstance(resolved, list) else None
+    whole = input_format != "text" or bool(keep_fields)  # records are read whole (format v3)
+    if whole:
+        for s in sources or []:
+            if s.kind != "jsonl":
+                raise ValueError(f"{s.path}: input_format={input_format!r} and keep_fields read JSON "
+                                 "lines files (or an iterable of dicts), not "
+                                 f"{s.kind} inputs; convert it to JSON lines")
     if tokenizer is None:
         tok = None
-        if sources is None or any(s.kind != "wds" for s in sources):
-            raise ValueError("tokenizer is required, except for pre-tokenized webdataset tars "
-                             "(see convert_webdataset)")
+        if input_format != "tokens" and (sources is None or any(s.kind != "wds" for s in sources)):
+            raise ValueError("tokenizer is required, except for pre-tokenized inputs "
+                             "(input_format='tokens', or webdataset tars: see convert_webdataset)")
         dtype = fmt.token_dtype(vocab_size) if vocab_size is not None else np.dtype("<u4")
         tokenizer_spec = None
         bos_id, eos_id = (_plain_token_id(x, name, vocab_size) for x, name in ((bos, "bos"), (eos, "eos")))
@@ -102,6 +113,11 @@ def run_build(inputs: Any, output: str | os.PathLike, tokenizer: TokenizerLike |
         tokenizer_json = canonical_json(tok)  # (made once: a large tokenizer takes ~0.2 s)
         tokenizer_spec = {"fingerprint": fingerprint_of_json(tokenizer_json)}
         bos_id, eos_id = special_token_id(tok, bos, "bos"), special_token_id(tok, eos, "eos")
+    template = None
+    if input_format == "messages":
+        template = load_chat_template(tokenizer if isinstance(tokenizer, (str, os.PathLike)) else None,
+                                      chat_template)
+    documents = documents_spec(input_format, keep_fields, template, train_on)
     spec = {
         "tokenizer": tokenizer_spec,
         "vocab_size": vocab_size,
@@ -113,10 +129,12 @@ def run_build(inputs: Any, output: str | os.PathLike, tokenizer: TokenizerLike |
         "block_tokens": block_tokens,
         "inputs": [s.spec() for s in sources] if sources else [{"path": ITERABLE_PATH, "size": None}],
     }
+    if documents is not None:
+        spec["documents"] = documents
     _check_output_path(storage)
     storage.makedirs()
     job = BuildJob.for_spec(storage, spec, None if tok is None else tokenizer_json, on_error,
-                            storage_options)
+                            storage_options, template.name if template is not None else None)
     lock = acquire_lock(storage)
     try:
         existing = open_existing(storage, spec)
@@ -124,12 +142,12 @@ def run_build(inputs: Any, output: str | os.PathLike, tokenizer: TokenizerLike |
         if existing is not None:
             if sources is None:
                 if existing["complete"]:
-                    _check_iterable(storage, existing, resolved)
+                    _check_iterable(storage, existing, resolved, objects=job.documents is not None)
             else:
                 restamped = _check_finished_inputs(storage, existing, sources, job)
                 _rewrite_pending(storage, existing, sources, job)
         if existing is not None and existing["complete"]:
-            if restamped and existing["version"] == 2:  # checked unchanged: cheap next time
+            if restamped and existing["version"] >= 2:  # checked unchanged: cheap next time
                 record_stamps(storage, existing["fingerprint"], restamped)
             if tok is not None and not storage.exists(fmt.TOKENIZER_NAME):
                 storage.write(fmt.TOKENIZER_NAME, [tok.to_str().encode()])
@@ -165,11 +183,12 @@ def run_build(inputs: Any, output: str | os.PathLike, tokenizer: TokenizerLike |
         lock.release()
 
 
-def _check_iterable(storage: Storage, existing: dict[str, Any], items: Any) -> None:
+def _check_iterable(storage: Storage, existing: dict[str, Any], items: Any, objects: bool) -> None:
     """A complete cache built from an iterable: the iterable given now must be the same stream
-    of strings (read and digested here, not tokenized), else InputChangedError."""
+    of strings (or of dicts: `objects`), read and digested here, not tokenized, else
+    InputChangedError."""
     recorded = existing["inputs"][0]
-    count, digest = content_identity(iter_strings(items, 0, "skip"))
+    count, digest = content_identity(iter_strings(items, 0, "skip", objects=objects))
     if recorded.get("digest") is None and recorded["records"]:
         return  # a cache made before digests were recorded: nothing to compare with
     if (count, digest) == (recorded["records"], recorded.get("digest")):
@@ -197,8 +216,9 @@ def _check_finished_inputs(storage: Storage, existing: dict[str, Any], sources: 
             continue
         if recorded.get("digest") is None and recorded["records"]:
             continue  # a cache made before digests were recorded: nothing to compare with
-        records = iter_records(source, job.text_key, 0, "skip", job.storage_options,
-                               tokens=job.tokenizer_json is None)
+        whole = job.documents is not None
+        records = iter_records(source, None if whole else job.text_key, 0, "skip",
+                               job.storage_options, tokens=job.tokenizer_json is None and not whole)
         if content_identity(records) != (recorded["records"], recorded.get("digest")):
             raise InputChangedError(_changed_message(storage, source, existing["complete"]))
         if source.stamp is not None:
@@ -234,7 +254,7 @@ def _rewrite_pending(storage: Storage, existing: dict[str, Any], sources: list[I
                              f"where it starts in its input; delete {storage.url} and build again")
         made = _first_block(build_input(rebuild, entry["input"], sources[entry["input"]], start))
         if made is None or any(made.get(k) != entry.get(k) for k in
-                               ("checksum", "offsets_checksum", "keys_checksum")):
+                               ("checksum", "offsets_checksum", "keys_checksum", "docs_checksum")):
             raise BuildError(f"{storage.url}/{entry['path']}: a block the interrupted build "
                              f"finished is missing or damaged, and making it again from "
                              f"{sources[entry['input']].path} gave other bytes: the input changed. "

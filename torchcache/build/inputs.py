@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import gzip
 import io
+import json
 import contextlib
 import os
 import shlex
@@ -27,7 +28,7 @@ import fsspec
 
 from ..errors import InputError
 from .records import (ITERABLE_PATH, SINCE_BUILD, SINCE_READ, BadRecord, CountingReader, InputSource,
-                      Record, RecordNumbering, decode_utf8, json_text, skipped_record,
+                      Record, RecordNumbering, decode_utf8, json_object, json_text, skipped_record,
                       unreadable_record)
 from .wds import Sample, decode_tokens, iter_samples, parse_member_spec
 
@@ -366,9 +367,12 @@ def _jsonl_records(source: InputSource, stream: io.BufferedReader, counted: Coun
     numbering.check_end()
 
 
-def _json_record(source: InputSource, number: int, line: bytes, text_key: str, position: int,
+def _json_record(source: InputSource, number: int, line: bytes, text_key: str | None, position: int,
                  on_error: str, digest: str) -> Record:
+    """The line's text field, or (text_key None) its whole object."""
     try:
+        if text_key is None:
+            return Record(number, None, None, position, digest=digest, obj=json_object(line, "line"))
         text = json_text(line, text_key, "line")
     except BadRecord as bad:
         return skipped_record(f"{source.path}:{number}", bad, on_error, number, position, digest=digest)
@@ -522,8 +526,10 @@ _READERS: dict[str, Callable[..., Iterator[Record]]] = {
 # ---------------------------------------------------------------- an iterable of strings
 
 def iter_strings(items: Iterable[Any], start: int, on_error: str,
-                 start_digest: str | None = None, output: str | None = None) -> Iterator[Record]:
-    """Records of an iterable of strings (the item index is the record number).
+                 start_digest: str | None = None, output: str | None = None,
+                 objects: bool = False) -> Iterator[Record]:
+    """Records of an iterable of strings (the item index is the record number), or with
+    `objects`, of dicts (records of a chat or instruction build, hashed as canonical JSON).
 
     `start_digest` is checked as in iter_records (a changed stream is named as the iterable
     given for `output`). An iterable cannot be reopened, so an error of the iterable itself
@@ -532,10 +538,12 @@ def iter_strings(items: Iterable[Any], start: int, on_error: str,
     name = ITERABLE_PATH if output is None else f"{output}: the iterable of strings given"
     numbering = RecordNumbering(name, start, start_digest)
     for item in items:
-        bad = _hash_item(numbering, item)
+        bad = _hash_object(numbering, item) if objects else _hash_item(numbering, item)
         if not numbering.advance():
             continue
-        if bad is None:
+        if bad is None and objects:
+            yield Record(numbering.number, None, None, 0, digest=numbering.digest(), obj=item)
+        elif bad is None:
             yield Record(numbering.number, item, None, 0, digest=numbering.digest())
         else:
             yield skipped_record(f"inputs item {numbering.number}", bad, on_error, numbering.number, 0,
@@ -550,6 +558,20 @@ def content_identity(records: Iterable[Record]) -> tuple[int, str | None]:
     for record in records:
         number, digest = record.number, record.digest
     return number, digest
+
+
+def _hash_object(numbering: RecordNumbering, item: Any) -> BadRecord | None:
+    """Hash one record of an iterable of dicts (as canonical JSON); why it cannot be one, or None."""
+    if not isinstance(item, dict):
+        numbering.frame(b"x", type(item).__qualname__.encode())
+        return BadRecord("no_messages", f"has type {type(item).__name__}, not dict")
+    try:
+        data = json.dumps(item, sort_keys=True, ensure_ascii=False, separators=(",", ":"))
+        numbering.frame(b"o", data.encode("utf-8"))
+        return None
+    except (TypeError, ValueError, UnicodeEncodeError) as e:
+        numbering.frame(b"x", type(e).__qualname__.encode())
+        return BadRecord("bad_content", f"is not plain JSON data ({e})")
 
 
 def _hash_item(numbering: RecordNumbering, item: Any) -> BadRecord | None:

@@ -53,6 +53,7 @@ class Record:
     tokens: Any = None      # already-tokenized document (np.ndarray), for pre-tokenized inputs
     key: str | None = None  # the source sample's key (webdataset __key__), kept in a sidecar
     digest: str | None = None  # sha256 (hex) of the raw content of records 1..number, in order
+    obj: Any = None         # the whole parsed record, when the build reads more than a text field
 
 
 class CountingReader(io.RawIOBase):
@@ -179,14 +180,19 @@ def decode_utf8(data: bytes, unit: str) -> str:
         raise BadRecord("invalid_utf8", f"invalid UTF-8 at byte {e.start} of the {unit}") from e
 
 
-def json_text(data: bytes, field: str, unit: str) -> str:
-    """The string in field `field` of the JSON object in `data` (a line or a member: `unit`)."""
+def json_object(data: bytes, unit: str) -> Any:
+    """The JSON value in `data` (a line or a member: `unit`)."""
     try:
-        obj = json.loads(decode_utf8(data, unit))
+        return json.loads(decode_utf8(data, unit))
     except ValueError as e:
         raise BadRecord("malformed_json", f"malformed JSON ({e})") from e
     except RecursionError as e:  # json's parser recurses once per level of nesting
         raise BadRecord("malformed_json", "malformed JSON (nested too deeply to parse)") from e
+
+
+def json_text(data: bytes, field: str, unit: str) -> str:
+    """The string in field `field` of the JSON object in `data` (a line or a member: `unit`)."""
+    obj = json_object(data, unit)
     if not isinstance(obj, dict) or field not in obj:
         keys = sorted(obj)[:8] if isinstance(obj, dict) else type(obj).__name__
         raise BadRecord("missing_text", f"no {field!r} field (found {keys}); set text_key to the "

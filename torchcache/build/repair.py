@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from typing import Any, Iterator
 
 from ..format import blocks as fmt
+from ..format.documents import has_documents
 from .commit import acquire_lock
 from ..errors import BuildError
 from ..format.ledger import (HEAD_NAME, LOG_DIR, BlockTable, final_head, has_log, head_from_log,
@@ -29,7 +30,8 @@ from ..format.tokenizer import cache_tokenizer, canonical_json
 from .verify import check_cache
 from .worker import BlockWritten, BuildJob, InputDone, build_input
 
-_FILES = (("path", "checksum"), ("offsets", "offsets_checksum"), ("keys", "keys_checksum"))
+_FILES = (("path", "checksum"), ("offsets", "offsets_checksum"), ("keys", "keys_checksum"),
+          ("docs", "docs_checksum"))
 
 
 @dataclass
@@ -138,7 +140,7 @@ def _restore_head(storage: Storage, storage_options: dict[str, Any] | None) -> N
         storage.write_json(HEAD_NAME, head_from_log(storage))
         return
     manifest, records = stored_index(storage)
-    table = BlockTable(records)
+    table = BlockTable(records, docs=has_documents(manifest["spec"]))
     job = _job_for(storage, manifest, storage_options)
     progress = []
     for i, spec_input in enumerate(manifest["spec"]["inputs"]):

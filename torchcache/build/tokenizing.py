@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import json
 import re
 from typing import Sequence
@@ -98,13 +99,36 @@ class DocumentEncoder:
         self.cut = can_cut_safely(self.tok) if cut is None else cut
         self.piece_chars = piece_chars
 
-    def encode(self, texts: Sequence[str]) -> list[np.ndarray]:
+    def _pieces(self, texts: Sequence[str]) -> tuple[list[str], list[int]]:
+        """The texts cut at safe points (when the tokenizer allows), and each text's piece count."""
         pieces: list[str] = []
         counts: list[int] = []
         for text in texts:
             parts = cut_text(text, self.piece_chars) if self.cut else [text]
             pieces.extend(parts)
             counts.append(len(parts))
+        return pieces, counts
+
+    def encode_with_offsets(self, texts: Sequence[str]) -> list[tuple[list[int], np.ndarray]]:
+        """Each text's ids (no BOS/EOS) and their (start, end) character offsets in the text."""
+        pieces, counts = self._pieces(texts)
+        encodings = self.tok.encode_batch(pieces, add_special_tokens=False)
+        out, i = [], 0
+        for n in counts:
+            ids: list[int] = []
+            offsets, shift = [], 0
+            for piece, enc in zip(pieces[i:i + n], encodings[i:i + n]):
+                ids.extend(enc.ids)
+                flat = itertools.chain.from_iterable(enc.offsets)  # (numpy's tuple path is slow)
+                pairs = np.fromiter(flat, dtype=np.int64, count=2 * len(enc.ids)).reshape(-1, 2)
+                offsets.append(pairs + shift)
+                shift += len(piece)
+            out.append((ids, np.concatenate(offsets) if offsets else np.zeros((0, 2), np.int64)))
+            i += n
+        return out
+
+    def encode(self, texts: Sequence[str]) -> list[np.ndarray]:
+        pieces, counts = self._pieces(texts)
         encodings = self.tok.encode_batch_fast(pieces, add_special_tokens=False) \
             if hasattr(self.tok, "encode_batch_fast") else \
             self.tok.encode_batch(pieces, add_special_tokens=False)

@@ -14,6 +14,7 @@ from typing import Any
 import numpy as np
 
 from ..format import blocks as fmt
+from ..format.documents import has_documents
 from ..read.cache_files import (CacheFiles, check_block_file, load_keys, load_offsets, locate_cache,
                                 offsets_max_size)
 from ..errors import CacheFormatError
@@ -79,7 +80,8 @@ def check_cache(path: str | os.PathLike, storage_options: dict[str, Any] | None 
     if order is not None:
         problems.append(Problem(f"{source.url}/{fmt.MANIFEST_NAME}: {order}; the manifest was edited "
                                 "or corrupted (restore it or rebuild the cache)", None, fmt.MANIFEST_NAME))
-    table = BlockTable.from_entries(manifest["blocks"] + manifest.get("pending", []))
+    table = BlockTable.from_entries(manifest["blocks"] + manifest.get("pending", []),
+                                    docs=has_documents(manifest["spec"]))
     return problems + _check_files(source, manifest["spec"], table)
 
 
@@ -90,7 +92,8 @@ def _check_without_head(source: CacheFiles, lost: str) -> list[Problem]:
         manifest, records = stored_index(source.metadata)
     except CacheFormatError as e:
         return problems + [Problem(str(e), None, INDEX_DIR)]
-    return problems + _check_files(source, manifest["spec"], BlockTable(records))
+    return problems + _check_files(source, manifest["spec"],
+                                   BlockTable(records, docs=has_documents(manifest["spec"])))
 
 
 def _check_files(source: CacheFiles, spec: dict[str, Any], table: BlockTable) -> list[Problem]:

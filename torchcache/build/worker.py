@@ -20,6 +20,9 @@ from .inputs import iter_records, iter_strings
 from .records import BadRecord, InputSource, Record, raise_or_count
 from ..format.storage import Storage
 from .tokenizing import DocumentEncoder
+from .chat import mask_runs, trained_token_mask
+from .formats import RecordShaper
+from ..format.documents import write_docs_file
 
 _BATCH_CHARS = 4 << 20
 _BATCH_DOCS = 1024
@@ -40,15 +43,19 @@ class BuildJob:
     special_tokens_as_text: bool
     storage_options: dict = field(default_factory=dict)
     vocab_size: int | None = None
+    documents: dict | None = None  # the spec's "documents" (format v3), None for plain text
+    template_name: str | None = None  # where the chat template came from, for messages
 
     @classmethod
     def for_spec(cls, output: Storage, spec: dict[str, Any], tokenizer_json: str | None,
-                 on_error: str, storage_options: dict[str, Any] | None) -> "BuildJob":
+                 on_error: str, storage_options: dict[str, Any] | None,
+                 template_name: str | None = None) -> "BuildJob":
         """The job that makes the blocks of the cache `spec` describes (a new build's spec, or
         the one a cache's manifest records, for repair), with the tokenizer `tokenizer_json`."""
         return cls(output, tokenizer_json, spec["bos_id"], spec["eos_id"],
                    str(fmt.DTYPES[spec["dtype"]]), spec["text_key"], spec["block_tokens"], on_error,
-                   spec["special_tokens_as_text"], dict(storage_options or {}), spec["vocab_size"])
+                   spec["special_tokens_as_text"], dict(storage_options or {}), spec["vocab_size"],
+                   spec.get("documents"), template_name)
 
 
 # ---------------------------------------------------------------- events a worker reports
@@ -147,41 +154,40 @@ def build_input(job: BuildJob, index: int, source: InputSource | Iterable[str],
     records = start["records"]
     block_no = start["blocks"]
     digest = start.get("digest")  # None for caches built before inputs were identified by content
+    whole = job.documents is not None  # records are read whole (v3), not as one text field
     if isinstance(source, InputSource):
-        stream = iter_records(source, job.text_key, records, job.on_error, job.storage_options,
-                              tokens=job.tokenizer_json is None, start_digest=digest)
+        stream = iter_records(source, None if whole else job.text_key, records, job.on_error,
+                              job.storage_options, tokens=job.tokenizer_json is None and not whole,
+                              start_digest=digest)
     else:
         stream = iter_strings(source, records, job.on_error, start_digest=digest,
-                              output=job.output.url)
-    docs: list[np.ndarray] = []
-    keys: list[str | None] = []
-    doc_tokens = 0
+                              output=job.output.url, objects=whole)
+    block = _BlockBuilder(job, index)
     # the input's resume point as of the last document: record number, skip counts, content hash
     last: tuple[int, dict[str, int], str | None] = (records, dict(skipped), digest)
 
     def flush() -> BlockWritten:
-        nonlocal docs, keys, doc_tokens, block_no
-        entry = _write_block(job, index, block_no, docs, keys)
+        nonlocal block_no
+        entry = block.write(block_no)
         block_no += 1
-        docs, keys, doc_tokens = [], [], 0
         upto, counts, upto_digest = last
         return BlockWritten(index, entry, {"records": upto, "skipped": dict(counts),
                                            "blocks": block_no, "digest": upto_digest})
 
-    batches = _Batches(stream, skipped, _token_checker(job, source), job.on_error)
+    where = getattr(source, "path", "inputs item")
+    batches = _Batches(stream, skipped, _record_check(job, source), job.on_error,
+                       _shaper(job), where)
     for batch in batches:
-        encoded = encode([r for r, _ in batch])
-        for (record, counts), ids in zip(batch, encoded):
-            if docs and doc_tokens + len(ids) > job.block_tokens:
+        encoded = encode(batch)
+        for (record, counts, shaped), doc in zip(batch, encoded):
+            if block.tokens and block.tokens + len(doc.ids) > job.block_tokens:
                 yield flush()
-            docs.append(ids)
-            keys.append(record.key)
-            doc_tokens += len(ids)
+            block.add(doc, record, shaped)
             last = (record.number, counts, record.digest)
-            if doc_tokens >= job.block_tokens:
+            if block.tokens >= job.block_tokens:
                 yield flush()
-        yield Progress(index, batch[-1][0].position, int(sum(len(x) for x in encoded)))
-    if docs:
+        yield Progress(index, batch[-1][0].position, int(sum(len(d.ids) for d in encoded)))
+    if block.tokens or block.docs:
         yield flush()
     end = (batches.last_number, batches.last_digest) if batches.last_number > records else (records, digest)
     done = {"records": end[0], "skipped": skipped, "blocks": block_no, "digest": end[1]}
@@ -190,37 +196,117 @@ def build_input(job: BuildJob, index: int, source: InputSource | Iterable[str],
     yield InputDone(index, done)
 
 
-def _document_encoder(job: BuildJob) -> Callable[[list[Record]], list[np.ndarray]]:
-    """Records -> token arrays: the tokenizer for text, BOS/EOS added to pre-tokenized ids."""
-    if job.tokenizer_json is not None:
-        encoder = DocumentEncoder(job.tokenizer_json, bos_id=job.bos_id, eos_id=job.eos_id,
-                                  dtype=np.dtype(job.dtype),
-                                  special_tokens_as_text=job.special_tokens_as_text)
-        return lambda records: encoder.encode([r.text for r in records])
+@dataclass
+class _Encoded:
+    """A document's ids, and which of them are trained (None: the cache keeps no mask)."""
+
+    ids: np.ndarray
+    trained: np.ndarray | None = None
+
+
+class _BlockBuilder:
+    """The documents of the block being filled, and how to write it."""
+
+    def __init__(self, job: BuildJob, index: int):
+        self.job, self.index = job, index
+        self.masked = bool(job.documents and job.documents["loss_mask"])
+        self._reset()
+
+    def _reset(self) -> None:
+        self.docs: list[np.ndarray] = []
+        self.trained: list[np.ndarray] = []
+        self.keys: list[str | None] = []
+        self.records: list[int] = []
+        self.fields: list[bytes] = []
+        self.tokens = 0
+
+    def add(self, doc: _Encoded, record: Record, shaped: Any) -> None:
+        self.docs.append(doc.ids)
+        self.tokens += len(doc.ids)
+        self.keys.append(record.key)
+        if self.job.documents is not None:
+            self.records.append(record.number)
+            self.fields.append(shaped.fields if shaped.fields is not None else b"{}")
+            if self.masked:
+                self.trained.append(doc.trained)
+
+    def write(self, block_no: int) -> dict[str, Any]:
+        entry = _write_block(self.job, self.index, block_no, self.docs, self.keys)
+        if self.job.documents is not None:
+            runs = mask_runs(np.concatenate(self.trained)) if self.masked else None
+            fields = self.fields if self.job.documents["keep_fields"] else None
+            written = write_docs_file(self.job.output, fmt.docs_name(entry["path"]), self.records,
+                                      runs, fields, entry["num_tokens"])
+            entry.update(docs=written.path, docs_checksum=written.checksum)
+        self._reset()
+        return entry
+
+
+def _shaper(job: BuildJob) -> Callable[[Record], Any] | None:
+    """For a v3 build: record -> Shaped document (BadRecord when it cannot be one)."""
+    if job.documents is None:
+        return None
+    shape = RecordShaper(job.documents, job.text_key, job.template_name)
+    return lambda record: shape(record.obj)
+
+
+def _document_encoder(job: BuildJob) -> Callable[[list[tuple[Record, Any, Any]]], list[_Encoded]]:
+    """A batch of (record, counts, shaped) -> encoded documents: the tokenizer for text (with
+    each token's trained flag, from its characters, for chat and instruction records), BOS/EOS
+    added to pre-tokenized ids. BOS is never trained; EOS is when the document's last token is."""
     head = [] if job.bos_id is None else [job.bos_id]
     tail = [] if job.eos_id is None else [job.eos_id]
+    dtype = np.dtype(job.dtype)
 
-    def wrap(records: list[Record]) -> list[np.ndarray]:
-        return [np.concatenate([np.asarray(head, dtype=job.dtype), r.tokens.astype(job.dtype),
-                                np.asarray(tail, dtype=job.dtype)]) for r in records]
-    return wrap
+    def wrap(ids: Any, trained: np.ndarray | None) -> _Encoded:
+        out = np.concatenate([np.asarray(head, dtype=dtype), np.asarray(ids).astype(dtype),
+                              np.asarray(tail, dtype=dtype)])
+        if trained is None:
+            return _Encoded(out)
+        last = bool(trained[-1]) if len(trained) else False
+        flags = np.concatenate([np.zeros(len(head), bool), trained, np.full(len(tail), last)])
+        return _Encoded(out, flags)
+
+    if job.tokenizer_json is None:
+        return lambda batch: [wrap(r.tokens if s is None else s.ids, None if s is None else s.trained)
+                              for r, _, s in batch]
+    encoder = DocumentEncoder(job.tokenizer_json, bos_id=job.bos_id, eos_id=job.eos_id,
+                              dtype=dtype, special_tokens_as_text=job.special_tokens_as_text)
+
+    def encode(batch: list[tuple[Record, Any, Any]]) -> list[_Encoded]:
+        shaped = [s for _, _, s in batch]
+        if all(s is None or (s.text is not None and s.spans is None) for s in shaped):
+            texts = [r.text if s is None else s.text for r, _, s in batch]
+            return [_Encoded(ids) for ids in encoder.encode(texts)]
+        spanned = [s for s in shaped if s.text is not None]
+        encoded = iter(encoder.encode_with_offsets([s.text for s in spanned]))
+        out = []
+        for s in shaped:
+            if s.text is None:  # pre-tokenized
+                out.append(wrap(s.ids, s.trained))
+            else:
+                ids, offsets = next(encoded)
+                out.append(wrap(ids, trained_token_mask(offsets, s.spans)))
+        return out
+    return encode
 
 
-def _token_checker(job: BuildJob, source: Any) -> Callable[[Record], tuple[str, BadRecord] | None]:
-    """For pre-tokenized records: (where, why) if ids fall outside the vocabulary, else None."""
+def _record_check(job: BuildJob, source: Any) -> Callable[[Record, Any], tuple[str, BadRecord] | None]:
+    """(where, why) if a record's pre-tokenized ids fall outside the vocabulary, else None."""
     limit = job.vocab_size if job.vocab_size is not None else np.iinfo(np.dtype(job.dtype)).max + 1
+    name = getattr(source, "path", "inputs item")
 
-    def check(record: Record) -> tuple[str, BadRecord] | None:
-        ids = record.tokens
+    def check(record: Record, shaped: Any) -> tuple[str, BadRecord] | None:
+        ids = record.tokens if shaped is None else shaped.ids
         if ids is None or not len(ids):
             return None
         low, high = int(ids.min()), int(ids.max())
         if low >= 0 and high < limit:
             return None
         bad = low if low < 0 else high
-        return (f"{getattr(source, 'path', source)}: sample {record.key!r}",
-                BadRecord("bad_tokens", f"token id {bad} is outside the vocabulary [0, {limit}); "
-                                        "pass the right vocab_size"))
+        where = f"{name}: sample {record.key!r}" if record.key is not None else f"{name}:{record.number}"
+        return (where, BadRecord("bad_tokens", f"token id {bad} is outside the vocabulary "
+                                               f"[0, {limit}); pass the right vocab_size"))
     return check
 
 
@@ -228,35 +314,50 @@ class _Batches:
     """Groups non-empty documents into batches and counts skipped and empty records.
 
     Each document comes with a snapshot of the skip counts as of its record, so a block can
-    record the input's exact resume point.
+    record the input's exact resume point, and (v3) with what `shape` made of its record.
     """
 
     def __init__(self, stream: Iterator[Record], skipped: dict[str, int],
-                 check: Callable[[Record], tuple[str, BadRecord] | None], on_error: str = "raise"):
+                 check: Callable[[Record, Any], tuple[str, BadRecord] | None], on_error: str = "raise",
+                 shape: Callable[[Record], Any] | None = None, where: str = ""):
         self.stream, self.skipped = stream, skipped
         self.last_number, self.last_digest = 0, None  # of the last record read, kept or not
-        self.check, self.on_error = check, on_error
+        self.check, self.on_error, self.shape, self.where = check, on_error, shape, where
 
     def _count(self, reason: str) -> None:
         self.skipped[reason] = self.skipped.get(reason, 0) + 1
 
-    def __iter__(self) -> Iterator[list[tuple[Record, dict[str, int]]]]:
+    def _content(self, record: Record) -> tuple[Any, Any]:
+        """(shaped document or None, its text or ids); raises BadRecord."""
+        if self.shape is None or record.obj is None:
+            return None, record.text if record.tokens is None else record.tokens
+        shaped = self.shape(record)
+        return shaped, shaped.text if shaped.text is not None else shaped.ids
+
+    def __iter__(self) -> Iterator[list[tuple[Record, dict[str, int], Any]]]:
         batch, chars = [], 0
         try:
             for record in self.stream:
                 self.last_number, self.last_digest = record.number, record.digest
-                content = record.text if record.tokens is None else record.tokens
+                if record.problem is not None:
+                    self._count(record.problem)
+                    continue
+                try:
+                    shaped, content = self._content(record)
+                except BadRecord as bad:
+                    self._count(raise_or_count(f"{self.where}:{record.number}", bad, self.on_error))
+                    continue
                 if content is None:
                     self._count(record.problem)
                     continue
                 if not len(content):
                     self._count("empty")
                     continue
-                problem = self.check(record)
+                problem = self.check(record, shaped)
                 if problem is not None:
                     self._count(raise_or_count(*problem, self.on_error))
                     continue
-                batch.append((record, dict(self.skipped)))
+                batch.append((record, dict(self.skipped), shaped))
                 chars += len(content)
                 if chars >= _BATCH_CHARS or len(batch) >= _BATCH_DOCS:
                     yield batch

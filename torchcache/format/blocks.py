@@ -32,14 +32,16 @@ from .storage import TMP_MARK, LocalStorage, RemoteStorage, Storage, open_regula
 
 FORMAT_NAME = "torchcache"
 FORMAT_VERSION = 2  # the layout new builds write (v2: see ledger.py); v1 caches stay readable
-READABLE_VERSIONS = (1, 2)
+READABLE_VERSIONS = (1, 2, 3)  # v3: v2 plus a documents sidecar per block (documents.py)
 BLOCK_FILE_VERSION = "1"  # block, offsets and keys files are the same in v1 and v2
 TOKENIZER_NAME = "tokenizer.json"
 TOP_FILES = re.compile(r"(manifest|tokenizer|head)\.json")  # written whole at a cache's top
-BLOCK_FILES = re.compile(r"\d{6}-\d{6}(\.offsets\.safetensors|\.keys\.json|\.safetensors)")
+BLOCK_FILES = re.compile(r"\d{6}-\d{6}(\.offsets\.safetensors|\.docs\.safetensors|\.keys\.json"
+                         r"|\.safetensors)")
 
 # safetensors dtype names of the arrays a cache holds: tokens (U16, U32), offsets (I64)
-DTYPES = {"U16": np.dtype("<u2"), "U32": np.dtype("<u4"), "I64": np.dtype("<i8")}
+DTYPES = {"U16": np.dtype("<u2"), "U32": np.dtype("<u4"), "I64": np.dtype("<i8"),
+          "I32": np.dtype("<i4"), "U8": np.dtype("u1")}  # (the last two: v3 documents sidecars)
 _DTYPE_NAMES = {v: k for k, v in DTYPES.items()}
 TOKEN_DTYPES = ("U16", "U32")
 MAX_HEADER_BYTES = 1 << 20  # a larger safetensors header is refused as corrupted
@@ -84,6 +86,11 @@ def offsets_name(block_path: str) -> str:
 
 def keys_name(block_path: str) -> str:
     return block_path[: -len(".safetensors")] + ".keys.json"
+
+
+def docs_name(block_path: str) -> str:
+    """A v3 block's documents sidecar (see documents.py)."""
+    return block_path[: -len(".safetensors")] + ".docs.safetensors"
 
 
 class StreamCursor:
@@ -139,12 +146,19 @@ def stream_order(blocks_per_input: Sequence[int], done: Sequence[bool]) -> tuple
 
 def safetensors_bytes(name: str, array: np.ndarray, metadata: dict[str, str]) -> tuple[bytes, int]:
     """Header bytes of a one-tensor safetensors file, and the offset where its data starts."""
-    array = np.ascontiguousarray(array)
-    header = {
-        "__metadata__": metadata,
-        name: {"dtype": dtype_name(array.dtype), "shape": [int(array.shape[0])],
-               "data_offsets": [0, int(array.nbytes)]},
-    }
+    return tensors_header({name: array}, metadata)
+
+
+def tensors_header(tensors: dict[str, np.ndarray], metadata: dict[str, str]) -> tuple[bytes, int]:
+    """Header bytes of a safetensors file of 1-D `tensors`, stored in name order, and the offset
+    where their data starts. The same tensors always give the same bytes."""
+    header: dict[str, Any] = {"__metadata__": metadata}
+    end = 0
+    for name in sorted(tensors):
+        array = np.ascontiguousarray(tensors[name])
+        header[name] = {"dtype": dtype_name(array.dtype), "shape": [int(array.shape[0])],
+                        "data_offsets": [end, end + int(array.nbytes)]}
+        end += int(array.nbytes)
     raw = json.dumps(header, separators=(",", ":"), sort_keys=True).encode()
     raw += b" " * (-(len(raw) + 8) % 8)  # keep the data 8-byte aligned
     return struct.pack("<Q", len(raw)) + raw, 8 + len(raw)
@@ -160,9 +174,18 @@ class WrittenFile:
 def write_tensor_file(storage: "Storage", rel_path: str, name: str, array: np.ndarray,
                       metadata: dict[str, str]) -> WrittenFile:
     """Write a one-tensor safetensors file so that it appears whole or not at all."""
-    head, _ = safetensors_bytes(name, array, metadata)
-    data = np.ascontiguousarray(array).astype(array.dtype.newbyteorder("<"), copy=False)
-    size, checksum = storage.write(rel_path, [head, memoryview(data).cast("B")])
+    return write_tensors_file(storage, rel_path, {name: array}, metadata)
+
+
+def write_tensors_file(storage: "Storage", rel_path: str, tensors: dict[str, np.ndarray],
+                       metadata: dict[str, str]) -> WrittenFile:
+    """Write a safetensors file of 1-D `tensors` so that it appears whole or not at all."""
+    head, _ = tensors_header(tensors, metadata)
+    parts: list[Any] = [head]
+    for name in sorted(tensors):
+        array = np.ascontiguousarray(tensors[name])
+        parts.append(memoryview(array.astype(array.dtype.newbyteorder("<"), copy=False)).cast("B"))
+    size, checksum = storage.write(rel_path, parts)
     return WrittenFile(rel_path, size, checksum)
 
 
@@ -211,6 +234,14 @@ def read_tensor_header(fd: int, path: str, name: str, file_size: int) -> TensorH
     Reads at most 1 MiB, and checks that the header, the tensor's length and the file size agree
     before any tensor data is read.
     """
+    return read_tensors_header(fd, path, (name,), (), file_size)[name]
+
+
+def read_tensors_header(fd: int, path: str, required: Sequence[str], optional: Sequence[str],
+                        file_size: int) -> dict[str, TensorHeader]:
+    """The checked headers of a safetensors file of 1-D tensors: every `required` name, any of
+    the `optional` ones and nothing else, stored back to back in name order, exactly filling the
+    file. Errors name the file."""
     prefix = read_exact(fd, 0, 8, path) if file_size >= 8 else b""
     if len(prefix) < 8:
         raise CacheFormatError(f"{path}: truncated safetensors file (no header); run `torchcache verify`")
@@ -223,40 +254,53 @@ def read_tensor_header(fd: int, path: str, name: str, file_size: int) -> TensorH
     except (ValueError, RecursionError) as e:
         raise CacheFormatError(f"{path}: corrupted safetensors header ({e}); "
                                "run `torchcache verify`") from None
-    dtype, length, end = _tensor_entry(header, name, path)
+    entries = _tensor_entries(header, required, optional, path)
+    end = max((start + length * dtype.itemsize for dtype, length, start in entries.values()), default=0)
     expected = 8 + header_len + end
     if file_size != expected:
         raise CacheFormatError(
             f"{path}: file is {file_size} bytes, its header says {expected}: the file is "
             "truncated or corrupted; rebuild it (delete the cache and build again)")
-    return TensorHeader(dtype, length, 8 + header_len)
+    return {name: TensorHeader(dtype, length, 8 + header_len + start)
+            for name, (dtype, length, start) in entries.items()}
 
 
-def _tensor_entry(header: Any, name: str, path: str) -> tuple[np.dtype, int, int]:
-    """(dtype, length, data size) of the one tensor `name` of a safetensors header (whose
-    metadata must be a map of strings, as safetensors requires)."""
+def _tensor_entries(header: Any, required: Sequence[str], optional: Sequence[str],
+                    path: str) -> dict[str, tuple[np.dtype, int, int]]:
+    """(dtype, length, data start) of each tensor of a safetensors header (whose metadata must
+    be a map of strings, as safetensors requires), checked to lie back to back in name order."""
     def bad(what: str) -> CacheFormatError:
         return CacheFormatError(f"{path}: corrupted safetensors header ({what}); run `torchcache verify`")
 
-    if not isinstance(header, dict) or not isinstance(header.get(name), dict):
-        raise bad(f"no tensor {name!r}")
-    if set(header) - {name, "__metadata__"}:
-        raise bad(f"unexpected entries {_short.repr(sorted(set(header) - {name, '__metadata__'}))}")
+    if not isinstance(header, dict):
+        raise bad("not a map")
+    for name in required:
+        if not isinstance(header.get(name), dict):
+            raise bad(f"no tensor {name!r}")
+    extra = set(header) - set(required) - set(optional) - {"__metadata__"}
+    if extra:
+        raise bad(f"unexpected entries {_short.repr(sorted(extra))}")
     metadata = header.get("__metadata__", {})
     if not isinstance(metadata, dict) or not all(isinstance(v, str) for v in metadata.values()):
         raise bad("metadata is not a map of strings")
-    entry = header[name]
-    dtype_field, shape, offsets = entry.get("dtype"), entry.get("shape"), entry.get("data_offsets")
-    if not isinstance(dtype_field, str) or dtype_field not in DTYPES:
-        raise bad(f"dtype {_short.repr(dtype_field)}")
-    if not (isinstance(shape, list) and len(shape) == 1 and type(shape[0]) is int and shape[0] >= 0):
-        raise bad(f"shape {_short.repr(shape)} is not one length")
-    if not (isinstance(offsets, list) and len(offsets) == 2 and all(type(x) is int for x in offsets)):
-        raise bad(f"data_offsets {_short.repr(offsets)}")
-    dtype, length = DTYPES[dtype_field], shape[0]
-    if offsets != [0, length * dtype.itemsize]:
-        raise bad("tensor offsets disagree with its shape")
-    return dtype, length, offsets[1]
+    entries, end = {}, 0
+    for name in sorted(set(header) - {"__metadata__"}):
+        entry = header[name]
+        if not isinstance(entry, dict):
+            raise bad(f"entry {name!r} is not a map")
+        dtype_field, shape, offsets = entry.get("dtype"), entry.get("shape"), entry.get("data_offsets")
+        if not isinstance(dtype_field, str) or dtype_field not in DTYPES:
+            raise bad(f"dtype {_short.repr(dtype_field)}")
+        if not (isinstance(shape, list) and len(shape) == 1 and type(shape[0]) is int and shape[0] >= 0):
+            raise bad(f"shape {_short.repr(shape)} is not one length")
+        if not (isinstance(offsets, list) and len(offsets) == 2 and all(type(x) is int for x in offsets)):
+            raise bad(f"data_offsets {_short.repr(offsets)}")
+        dtype, length = DTYPES[dtype_field], shape[0]
+        if offsets != [end, end + length * dtype.itemsize]:
+            raise bad("tensor offsets disagree with its shape")
+        entries[name] = (dtype, length, end)
+        end = offsets[1]
+    return entries
 
 
 def read_tensor_data(fd: int, path: str, header: TensorHeader) -> np.ndarray:
@@ -501,6 +545,10 @@ def check_header(manifest: Any, path: str) -> dict[str, Any]:
     for key in ("spec", "fingerprint"):
         f.get(manifest, key, "manifest")
     spec = _check_spec(f, manifest["spec"])
+    documents = spec.get("documents") is not None
+    if documents != (manifest.get("version") == 3):
+        raise f.fail("version", f"is {manifest.get('version')}, but the spec "
+                                f"{'has' if documents else 'has no'} documents (v3 caches only have them)")
     f.str(manifest["fingerprint"], "fingerprint", _FINGERPRINT)
     if manifest["fingerprint"] != spec_fingerprint(spec):
         raise f.fail("fingerprint", "does not match the spec (the spec or the fingerprint was edited)")
@@ -534,6 +582,10 @@ def check_manifest(manifest: Any, path: str) -> None:
     for key in ("spec", "blocks", "inputs", "complete", "fingerprint"):
         f.get(manifest, key, "manifest")
     spec = _check_spec(f, manifest["spec"])
+    documents = spec.get("documents") is not None
+    if documents != (manifest.get("version") == 3):
+        raise f.fail("version", f"is {manifest.get('version')}, but the spec "
+                                f"{'has' if documents else 'has no'} documents (v3 caches only have them)")
     f.str(manifest["fingerprint"], "fingerprint", _FINGERPRINT)
     if manifest["fingerprint"] != spec_fingerprint(spec):
         raise f.fail("fingerprint", "does not match the spec (the spec or the fingerprint was edited)")
@@ -570,7 +622,22 @@ def _check_spec(f: _Fields, spec: Any) -> dict[str, Any]:
     for k, item in enumerate(f.list(f.get(spec, "inputs", "spec"), "spec.inputs")):
         f.str(f.get(f.dict(item, f"spec.inputs[{k}]"), "path", f"spec.inputs[{k}]"),
               f"spec.inputs[{k}].path")
+    if spec.get("documents") is not None:
+        _check_documents_spec(f, spec["documents"])
     return spec
+
+
+def _check_documents_spec(f: _Fields, documents: Any) -> None:
+    """A v3 spec's `documents`: how records became documents, and what each keeps."""
+    documents = f.dict(documents, "spec.documents")
+    get = lambda key: f.get(documents, key, "spec.documents")  # noqa: E731
+    f.str(get("input_format"), "spec.documents.input_format")
+    f.bool(get("loss_mask"), "spec.documents.loss_mask")
+    for key in ("chat_template", "train_on"):
+        if get(key) is not None:
+            f.str(get(key), f"spec.documents.{key}")
+    for k, name in enumerate(f.list(get("keep_fields"), "spec.documents.keep_fields")):
+        f.str(name, f"spec.documents.keep_fields[{k}]")
 
 
 def _check_progress(f: _Fields, inputs: Any, n_inputs: int) -> None:
@@ -599,6 +666,9 @@ def _check_block_entry(f: _Fields, entry: Any, where: str, n_inputs: int) -> Non
     if "keys" in entry or "keys_checksum" in entry:
         f.equal(f.str(get("keys"), f"{where}.keys"), keys_name(name), f"{where}.keys")
         f.str(get("keys_checksum"), f"{where}.keys_checksum", _CHECKSUM)
+    if "docs" in entry or "docs_checksum" in entry:
+        f.equal(f.str(get("docs"), f"{where}.docs"), docs_name(name), f"{where}.docs")
+        f.str(get("docs_checksum"), f"{where}.docs_checksum", _CHECKSUM)
     f.int(get("size"), f"{where}.size", 8, 1 << 62)
     tokens = f.int(get("num_tokens"), f"{where}.num_tokens", 0, MAX_BLOCK_TOKENS)
     documents = f.int(get("num_documents"), f"{where}.num_documents", 0, MAX_BLOCK_DOCUMENTS)

@@ -32,6 +32,7 @@ import numpy as np
 from .._util import hooks
 from ..errors import CacheFormatError
 from . import blocks as fmt
+from . import documents
 from .storage import HEAD, LocalStorage, RemoteStorage, Storage, open_storage
 
 HEAD_NAME = HEAD
@@ -47,7 +48,8 @@ RECORD = np.dtype([
     ("num_tokens", "<i8"), ("num_documents", "<i8"), ("size", "<i8"),
     ("input", "<i4"), ("index", "<i4"),
     ("checksum", "u1", (32,)), ("offsets_checksum", "u1", (32,)),
-    ("keys_checksum", "u1", (32,)),  # all zero: the block has no keys file
+    ("keys_checksum", "u1", (32,)),  # v1/v2: the keys file's, all zero for none; v3: the
+                                     # documents sidecar's (see documents.py)
 ])
 assert RECORD.itemsize == 128
 _NO_KEYS = bytes(32)
@@ -84,7 +86,8 @@ def records_of(entries: Iterable[dict[str, Any]]) -> np.ndarray:
     entries = list(entries)
     records = np.zeros(len(entries), dtype=RECORD)
     for k, e in enumerate(entries):
-        keys = _digest_bytes(e["keys_checksum"]) if "keys" in e else _NO_KEYS
+        keys = _digest_bytes(e["keys_checksum"]) if "keys" in e else \
+            _digest_bytes(e["docs_checksum"]) if "docs" in e else _NO_KEYS
         records[k] = (e["num_tokens"], e["num_documents"], e["size"], e["input"], e["index"],
                       np.frombuffer(_digest_bytes(e["checksum"]), np.uint8),
                       np.frombuffer(_digest_bytes(e["offsets_checksum"]), np.uint8),
@@ -98,7 +101,8 @@ class BlockTable:
     Paths follow from (input, index); checksums are kept as raw bytes. Pickles as a few arrays.
     """
 
-    def __init__(self, records: np.ndarray):
+    def __init__(self, records: np.ndarray, docs: bool = False):
+        self.docs = docs  # the third checksum is a documents sidecar's (v3), else a keys file's
         self._records = np.array(records, dtype=RECORD)
         self._tokens = np.zeros(len(records) + 1, dtype=np.int64)
         np.cumsum(records["num_tokens"], out=self._tokens[1:])
@@ -114,14 +118,14 @@ class BlockTable:
         self.doc_starts = self._docs[: n + 1]
 
     def __getstate__(self) -> dict[str, Any]:
-        return {"records": self.records}
+        return {"records": self.records, "docs": self.docs}
 
     def __setstate__(self, state: dict[str, Any]) -> None:
-        self.__init__(state["records"])
+        self.__init__(state["records"], state["docs"])
 
     @classmethod
-    def from_entries(cls, entries: Iterable[dict[str, Any]]) -> "BlockTable":
-        return cls(records_of(entries))
+    def from_entries(cls, entries: Iterable[dict[str, Any]], docs: bool = False) -> "BlockTable":
+        return cls(records_of(entries), docs)
 
     def __len__(self) -> int:
         return len(self.records)
@@ -131,6 +135,7 @@ class BlockTable:
         geometrically and are shared (this table's views of them never change)."""
         n, m = self.n, len(more)
         table = BlockTable.__new__(BlockTable)
+        table.docs = self.docs
         if n + m <= len(self._records) and self._filled[0] == n:  # nobody appended past us yet
             table._records, table._tokens, table._docs = self._records, self._tokens, self._docs
             table._filled = self._filled
@@ -160,7 +165,11 @@ class BlockTable:
         return fmt.keys_name(self.path(b)) if self.has_keys(b) else None
 
     def has_keys(self, b: int) -> bool:
-        return self.records["keys_checksum"][b].any()
+        return not self.docs and self.records["keys_checksum"][b].any()
+
+    def docs_path(self, b: int) -> str:
+        """Block b's documents sidecar (v3 caches only)."""
+        return documents.docs_name(self.path(b))
 
     def checksum(self, b: int, field: str = "checksum") -> str:
         return "sha256:" + self.records[field][b].tobytes().hex()
@@ -185,6 +194,8 @@ class BlockTable:
                  "input": int(r["input"]), "index": int(r["index"])}
         if self.has_keys(b):
             entry.update(keys=fmt.keys_name(path), keys_checksum=self.checksum(b, "keys_checksum"))
+        if self.docs:
+            entry.update(docs=documents.docs_name(path), docs_checksum=self.checksum(b, "keys_checksum"))
         return entry
 
 
@@ -220,10 +231,10 @@ def open_state(storage: Storage, *, check_order: bool = True) -> CacheState:
     records = read_index(storage, 0, head["blocks"], chunk)
     check_records(records, len(spec["inputs"]), np.zeros(len(spec["inputs"]), np.int64), -1,
                   f"{storage.url}/{INDEX_DIR}")
-    table = BlockTable(records)
+    table = BlockTable(records, docs=version == documents.DOCS_VERSION)
     _check_totals(head, table, storage)
     per_input = np.bincount(records["input"], minlength=len(spec["inputs"])).astype(np.int64)
-    return CacheState(2, spec, manifest["fingerprint"], head["complete"], dict(head["skipped"]),
+    return CacheState(version, spec, manifest["fingerprint"], head["complete"], dict(head["skipped"]),
                       table, head, chunk, per_input)
 
 
@@ -258,7 +269,7 @@ def refresh_state(storage: Storage, state: CacheState) -> CacheState:
         table = table.extended(more)
         per_input = per_input + np.bincount(more["input"], minlength=n_inputs)
     _check_totals(head, table, storage)
-    return CacheState(2, state.spec, state.fingerprint, head["complete"], dict(head["skipped"]),
+    return CacheState(state.version, state.spec, state.fingerprint, head["complete"], dict(head["skipped"]),
                       table, head, state.chunk_records, per_input)
 
 
@@ -294,7 +305,7 @@ def read_manifest(root: "str | os.PathLike | Storage", *, check_order: bool = Tr
     blocks = state.table.entries()
     visible = {(e["input"], e["index"]) for e in blocks}
     manifest = {
-        "format": fmt.FORMAT_NAME, "version": fmt.FORMAT_VERSION, "spec": state.spec,
+        "format": fmt.FORMAT_NAME, "version": state.version, "spec": state.spec,
         "fingerprint": state.fingerprint, "chunk_records": state.chunk_records,
         "blocks": blocks, "pending": [e for e in entries if (e["input"], e["index"]) not in visible],
         "complete": state.complete, "num_tokens": int(state.table.token_starts[-1]),
@@ -395,7 +406,7 @@ def missing_head(storage: Storage) -> str | None:
 def lost_head(storage: Storage) -> str | None:
     """`missing_head` for a cache of format v2 (a v1 cache has no head.json); None for v1."""
     _, version, _ = fmt.load_manifest(storage)
-    return missing_head(storage) if version == 2 else None
+    return missing_head(storage) if version >= 2 else None
 
 
 def _chunks(start: int, stop: int, size: int) -> Iterable[tuple[int, int, int]]:
@@ -540,7 +551,7 @@ def stored_index(storage: Storage) -> tuple[dict[str, Any], np.ndarray]:
     """The v2 manifest, and every whole record the index chunks hold (committed or not), checked
     for ranges and stream order: what a lost head.json counted, and possibly more."""
     manifest, version, path = fmt.load_manifest(storage)
-    if version != 2:
+    if version < 2:
         raise CacheFormatError(f"{path}: a format v1 cache has no head.json")
     spec, chunk = _v2_header(manifest, path)
     parts = []
@@ -718,8 +729,9 @@ def delete_log(storage: Storage) -> None:
 
 
 def header(spec: dict[str, Any], fingerprint: str) -> dict[str, Any]:
-    """A v2 manifest: the cache's identity, and the chunk size of its index and log."""
-    return {"format": fmt.FORMAT_NAME, "version": fmt.FORMAT_VERSION, "spec": spec,
+    """A v2 (v3 with documents) manifest: the cache's identity, and the chunk size of its index
+    and log."""
+    return {"format": fmt.FORMAT_NAME, "version": documents.layout_version(spec), "spec": spec,
             "fingerprint": fingerprint, "chunk_records": new_chunk_records()}
 
 
@@ -738,7 +750,7 @@ def upgrade(storage: Storage) -> bool:
     """
     fmt.remove_dead_temp_files(storage, "", fmt.TOP_FILES)  # of an upgrade that was killed
     manifest, version, path = fmt.load_manifest(storage)
-    if version == 2:
+    if version >= 2:
         return False
     fmt.check_manifest(manifest, path)
     _raise_order_problem(manifest, path)

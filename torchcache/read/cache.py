@@ -46,6 +46,7 @@ from .._util.lru import LRUCache
 from .cache_files import (check_block_file, load_keys, load_offsets, locate_cache, named_map_copy,
                           offsets_max_size)
 from ..errors import CacheFormatError
+from ..format.documents import BlockDocuments, docs_max_size, has_loss_mask, read_docs_file
 from ..format.ledger import BlockTable, CacheState, open_state, refresh_state
 from .local_copies import STAT_FIELDS, STATS_DIR, SessionStats, parse_size, tree_bytes
 from .remote_reads import ArrayReads, BoundedReader, ReadOrder
@@ -56,6 +57,7 @@ __all__ = ["RowPlan", "TokenCache", "gather_rows"]
 _MAX_DESCRIPTORS = 128  # descriptors of block files open at once in a process (all caches)
 _MAX_CACHED_OFFSETS = 64  # blocks whose document offsets a TokenCache keeps in memory
 _MAX_CACHED_KEYS = 4  # blocks whose document keys a TokenCache keeps (a keys file can be large)
+_MAX_CACHED_DOCS = 64  # blocks whose documents sidecar (v3: mask runs, records) a TokenCache keeps
 _MAX_CHECKED_BLOCKS = 1 << 16  # blocks a TokenCache remembers as checked (path and token start)
 DEFAULT_MAP_BYTES = 256 << 20  # block bytes a TokenCache maps at most, unless told otherwise
 _TRUNCATED = "run `torchcache verify`"  # what to do about a block file that ends too soon
@@ -342,6 +344,7 @@ class TokenCache:
         # (path, token start) of local blocks checked once, to reopen them cheaply
         self._checked_blocks: LRUCache[tuple[str, int]] = LRUCache(_MAX_CHECKED_BLOCKS)
         self._keys_cache: LRUCache[list[str | None]] = LRUCache(_MAX_CACHED_KEYS)
+        self._docs_cache: LRUCache[BlockDocuments] = LRUCache(_MAX_CACHED_DOCS)
         self._verified: set[str] = set()
         self._init_process_state()
         self._source = locate_cache(os.fspath(path), storage_options, local_dir)
@@ -959,6 +962,117 @@ class TokenCache:
         manifest_input = self.spec["inputs"][self._table.input(self._document_block(doc))]["path"]
         return {"document": doc, "key": self.document_key(doc), "input": manifest_input,
                 "document_tokens": (start, stop), "offset_in_document": token - start}
+
+    # ------------------------------------------------------------ v3: loss masks, provenance
+    @property
+    def has_loss_mask(self) -> bool:
+        """True for a cache built from chat, instruction or pre-tokenized records with a loss mask
+        (format v3); in every other cache each token is trained."""
+        return has_loss_mask(self.spec)
+
+    @property
+    def chat_template(self) -> str | None:
+        """The chat template's text a "messages" cache was rendered with (None for others)."""
+        return (self.spec.get("documents") or {}).get("chat_template")
+
+    @_locked
+    def _block_docs(self, b: int) -> BlockDocuments:
+        """Block b's documents sidecar (v3 caches only), read once and kept for a while."""
+        def load() -> BlockDocuments:
+            n_docs, n_tokens = self._block_documents(b), self._block_tokens(b)
+            path, fd = self._open_file(self._table.docs_path(b), self._table.checksum(b, "keys_checksum"),
+                                       docs_max_size(n_docs, n_tokens))
+            try:
+                documents = self.spec["documents"]
+                return read_docs_file(fd, path, n_docs, n_tokens, mask=documents["loss_mask"],
+                                      fields=bool(documents["keep_fields"]))
+            finally:
+                os.close(fd)
+        return self._docs_cache.get_or_make(b, load)
+
+    def loss_mask(self, start: int, stop: int) -> np.ndarray:
+        """Which tokens of the global range [start, stop) are trained, as a bool array (all True
+        in a cache without a loss mask)."""
+        start, stop = int_arg(start, "start", minimum=0), int_arg(stop, "stop", minimum=0)
+        if stop < start or stop > self.num_tokens:
+            raise IndexError(f"token range [{start}, {stop}) outside [0, {self.num_tokens})")
+        return self.loss_masks(np.asarray([start], np.int64), stop - start)[0]
+
+    def loss_masks(self, starts: Any, length: int) -> np.ndarray:
+        """Trained flags of the ranges [s, s + length) for each s of `starts`, as a (rows, length)
+        bool array: the rows of `read_many`, for the mask."""
+        starts = np.asarray(starts, dtype=np.int64).reshape(-1)
+        if not self.has_loss_mask:
+            return np.ones((len(starts), length), dtype=bool)
+        out = np.zeros((len(starts), length), dtype=bool)
+        if not len(starts) or length <= 0:
+            return out
+        ends = starts + length
+        first = np.searchsorted(self._token_starts, starts, side="right") - 1
+        last = np.searchsorted(self._token_starts, ends - 1, side="right") - 1
+        for b in np.unique(first):  # rows inside one block: all at once
+            rows = np.flatnonzero((first == b) & (last == b))
+            if len(rows):
+                self._mark_trained(out, rows, starts[rows], length, int(b))
+        for r in np.flatnonzero(first != last):  # rows across block edges: block by block
+            for b in range(int(first[r]), int(last[r]) + 1):
+                base, top = int(self._token_starts[b]), int(self._token_starts[b + 1])
+                lo, hi = max(int(starts[r]), base), min(int(ends[r]), top)
+                part = np.zeros((1, hi - lo), dtype=bool)
+                self._mark_trained(part, np.zeros(1, np.intp), np.asarray([lo]), hi - lo, b)
+                out[r, lo - int(starts[r]): hi - int(starts[r])] = part[0]
+        return out
+
+    def _mark_trained(self, out: np.ndarray, rows: np.ndarray, starts: np.ndarray, length: int,
+                      b: int) -> None:
+        """Set out[rows] to the trained flags of [starts, starts + length), all inside block b."""
+        runs = self._block_docs(b).runs
+        if not len(runs):
+            return
+        local = starts - int(self._token_starts[b])
+        run_starts, run_ends = runs[:, 0], runs[:, 0] + runs[:, 1]
+        first = np.searchsorted(run_ends, local, side="right")
+        counts = np.searchsorted(run_starts, local + length, side="left") - first
+        total = int(counts.sum())
+        if not total:
+            return
+        owner = np.repeat(np.arange(len(rows)), counts)
+        which = np.repeat(first - np.cumsum(counts) + counts, counts) + np.arange(total)
+        begin = np.clip(run_starts[which] - local[owner], 0, length)
+        end = np.clip(run_ends[which] - local[owner], 0, length)
+        edges = np.zeros((len(rows), length + 1), dtype=np.int8)
+        edges[owner, begin] = 1  # runs are apart: no two edges of a row fall on one position
+        edges[owner, end] -= 1
+        out[rows] = np.cumsum(edges[:, :length], axis=1, dtype=np.int8) > 0
+
+    def document_loss_mask(self, i: int) -> np.ndarray:
+        """Which tokens of document i are trained (bool, the length of `document(i)`).
+
+        >>> cache.document_loss_mask(0)[:6]  # doctest: +SKIP
+        array([False, False, False, False,  True,  True])
+        """
+        start, stop = self.document_span(i)
+        return self.loss_mask(start, stop)
+
+    def document_info(self, i: int) -> dict[str, Any]:
+        """Where document i came from: its input file, its record there (line, row or sample
+        number; None in caches built before format v3 kept it), and the fields kept with it.
+
+        >>> cache.document_info(12)  # doctest: +SKIP
+        {'document': 12, 'input': 'chats/part-0.jsonl', 'record': 13, 'fields': {'id': 'a7'}}
+        """
+        i = self._check_document(i)
+        b = self._document_block(i)
+        info: dict[str, Any] = {"document": i,
+                                "input": self.spec["inputs"][self._table.input(b)]["path"],
+                                "record": None, "fields": {}}
+        if self.spec.get("documents") is not None:
+            docs, local = self._block_docs(b), i - int(self._doc_starts[b])
+            info.update(record=int(docs.records[local]), fields=docs.fields_of(local))
+        key = self.document_key(i)
+        if key is not None:
+            info["key"] = key
+        return info
 
     def document_lengths(self) -> np.ndarray:
         """Length in tokens of every document (reads all offset sidecars; for stats).

@@ -1,0 +1,148 @@
+"""Format v3's documents sidecar: per block, where each document came from, which of its tokens
+are trained, and the fields the build kept (see docs/format.md, "Format v3").
+
+`blocks/IIIIII-KKKKKK.docs.safetensors` holds up to four 1-D tensors:
+  records        I64, one per document: its record number within its input (line, row, sample)
+  mask           I32 (I64 for a block of 2^31 tokens or more): (start, length) pairs, flattened, of
+                 the runs of trained tokens, block-relative, sorted, apart, never empty. Only in a
+                 cache with loss masks.
+  fields         U8, the documents' kept fields, each a compact JSON object, back to back
+  field_offsets  I64, one per document + 1: where each document's fields start in `fields`.
+                 Both only in a cache built with keep_fields.
+Its sha256 takes the index record's third checksum slot (the keys file's in v1/v2).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass
+from typing import Any, Sequence
+
+import numpy as np
+
+from ..errors import CacheFormatError
+from . import blocks as fmt
+from .storage import Storage
+
+DOCS_VERSION = 3  # the layout version of a cache whose blocks have documents sidecars
+_REQUIRED = ("records",)
+_OPTIONAL = ("mask", "fields", "field_offsets")
+MAX_FIELDS_BYTES = 1 << 30
+
+
+docs_name = fmt.docs_name
+
+
+def has_documents(spec: dict[str, Any]) -> bool:
+    """True for a cache that keeps a documents sidecar per block (format v3)."""
+    return spec.get("documents") is not None
+
+
+def layout_version(spec: dict[str, Any]) -> int:
+    """The format version a new cache of `spec` is written in: 3 with documents sidecars, else 2
+    (a text cache stays v2, byte for byte)."""
+    return DOCS_VERSION if has_documents(spec) else fmt.FORMAT_VERSION
+
+
+def has_loss_mask(spec: dict[str, Any]) -> bool:
+    return has_documents(spec) and bool(spec["documents"].get("loss_mask"))
+
+
+@dataclass(frozen=True)
+class BlockDocuments:
+    """One block's documents sidecar, checked."""
+
+    records: np.ndarray        # int64, one per document
+    runs: np.ndarray | None    # int64 (n, 2): (start, length) of trained runs, block-relative
+    fields: bytes | None
+    field_offsets: np.ndarray | None
+
+    def fields_of(self, d: int) -> dict[str, Any]:
+        """The kept fields of the block's document d ({} when none were kept)."""
+        if self.fields is None:
+            return {}
+        return json.loads(self.fields[int(self.field_offsets[d]): int(self.field_offsets[d + 1])])
+
+    def trained(self, start: int, stop: int) -> np.ndarray:
+        """Which tokens [start, stop) of the block are trained (all False without a mask)."""
+        out = np.zeros(max(stop - start, 0), dtype=bool)
+        if self.runs is None or not len(self.runs):
+            return out
+        starts, ends = self.runs[:, 0], self.runs[:, 0] + self.runs[:, 1]
+        first = int(np.searchsorted(ends, start, side="right"))
+        last = int(np.searchsorted(starts, stop, side="left"))
+        for a, b in zip(starts[first:last], ends[first:last]):
+            out[max(a, start) - start: min(b, stop) - start] = True
+        return out
+
+
+def write_docs_file(storage: Storage, rel_path: str, records: Sequence[int], runs: np.ndarray | None,
+                    fields: Sequence[bytes] | None, num_tokens: int) -> fmt.WrittenFile:
+    """Write a block's documents sidecar (whole or not at all)."""
+    tensors: dict[str, np.ndarray] = {"records": np.asarray(records, dtype=np.int64)}
+    if runs is not None:
+        dtype = np.int32 if num_tokens < 1 << 31 else np.int64
+        tensors["mask"] = np.asarray(runs, dtype=dtype).reshape(-1)
+    if fields is not None:
+        offsets = np.zeros(len(fields) + 1, dtype=np.int64)
+        np.cumsum([len(f) for f in fields], out=offsets[1:])
+        tensors["fields"] = np.frombuffer(b"".join(fields), dtype=np.uint8)
+        tensors["field_offsets"] = offsets
+    meta = {"format": fmt.FORMAT_NAME, "version": str(DOCS_VERSION)}
+    return fmt.write_tensors_file(storage, rel_path, tensors, meta)
+
+
+def docs_max_size(num_documents: int, num_tokens: int) -> int:
+    """The largest a sound documents sidecar of such a block can be (a cap checked before reading)."""
+    return fmt.MAX_HEADER_BYTES + 8 + 8 * num_documents + 8 * (num_documents + 1) + 8 * num_tokens \
+        + MAX_FIELDS_BYTES
+
+
+def read_docs_file(fd: int, path: str, num_documents: int, num_tokens: int,
+                   *, mask: bool, fields: bool) -> BlockDocuments:
+    """A block's documents sidecar, checked against the block (its documents and tokens) and the
+    spec (whether it has a mask and fields); errors name the file."""
+    size = os.fstat(fd).st_size
+    headers = fmt.read_tensors_header(fd, path, _REQUIRED, _OPTIONAL, size)
+
+    def bad(what: str) -> CacheFormatError:
+        return CacheFormatError(f"{path}: {what}; the documents sidecar is corrupted (run "
+                                "`torchcache verify --repair`)")
+
+    for name, wanted in (("mask", mask), ("fields", fields), ("field_offsets", fields)):
+        if (name in headers) != wanted:
+            raise bad(f"tensor {name!r} is {'missing' if wanted else 'unexpected'}")
+    records = _array(fd, path, headers["records"], ("I64",), num_documents, bad, "records")
+    if len(records) and (records[0] < 1 or np.any(np.diff(records) <= 0)):
+        raise bad("record numbers are not increasing from 1")
+    runs = None
+    if mask:
+        flat = _array(fd, path, headers["mask"], ("I32", "I64"), None, bad, "mask")
+        if len(flat) % 2:
+            raise bad("mask holds an odd number of values")
+        runs = flat.astype(np.int64).reshape(-1, 2)
+        starts, lengths = runs[:, 0], runs[:, 1]
+        if len(runs) and (starts[0] < 0 or np.any(lengths <= 0) or starts[-1] + lengths[-1] > num_tokens
+                          or np.any(starts[1:] <= starts[:-1] + lengths[:-1])):
+            raise bad(f"mask runs are not sorted, apart and inside the block's {num_tokens} tokens")
+    text = offsets = None
+    if fields:
+        offsets = _array(fd, path, headers["field_offsets"], ("I64",), num_documents + 1, bad,
+                         "field_offsets")
+        h = headers["fields"]
+        if h.dtype != fmt.DTYPES["U8"] or h.length > MAX_FIELDS_BYTES:
+            raise bad("fields is not bytes")
+        text = bytes(fmt.read_exact(fd, h.data_start, h.length, path))
+        if offsets[0] != 0 or offsets[-1] != len(text) or np.any(np.diff(offsets) < 0):
+            raise bad("field_offsets do not cover fields")
+    return BlockDocuments(records, runs, text, offsets)
+
+
+def _array(fd: int, path: str, header: fmt.TensorHeader, dtypes: tuple[str, ...], length: int | None,
+           bad: Any, name: str) -> np.ndarray:
+    if fmt.dtype_name(header.dtype) not in dtypes:
+        raise bad(f"{name} has dtype {fmt.dtype_name(header.dtype)}, not {' or '.join(dtypes)}")
+    if length is not None and header.length != length:
+        raise bad(f"{name} holds {header.length} values, the block needs {length}")
+    return fmt.read_tensor_data(fd, path, header)
