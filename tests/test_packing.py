@@ -198,8 +198,11 @@ def test_pack_block_edge_cases():
     dropped = pack_block(np.array([0, 20, 23]), 8, long_docs="drop")
     assert rows_of(dropped) == [[(20, 3, False)]]
     assert (dropped.dropped_documents, dropped.dropped_tokens) == (1, 20)
+    cut = pack_block(np.array([0, 20, 23]), 8, long_docs="truncate")
+    assert rows_of(cut) == [[(0, 8, True)], [(20, 3, False)]]  # its last label: the next token
+    assert (cut.dropped_documents, cut.dropped_tokens) == (1, 12)  # (in this mode: truncated)
     with pytest.raises(ValueError, match="long_docs"):
-        pack_block(np.array([0, 3]), 8, long_docs="truncate")
+        pack_block(np.array([0, 3]), 8, long_docs="wrap")
 
 
 # ---------------------------------------------------------------- the plan sidecar on a real cache

@@ -1,10 +1,17 @@
 """Builder throughput against plain `Tokenizer.encode_batch`, in one run on the same machine.
 
     python tools/bench_build.py [--corpus DIR] [--tokenizer tokenizer.json] [--workers N]
+    python tools/bench_build.py --chat CHAT_DIR [--tokenizer tokenizer.json] [--workers N]
 
 Prints tokens/s of the baseline (whole-document encode_batch, encoding time only, per shard) and of
 `build_cache` (everything: reading, tokenizing, writing, fsync), their ratio, whether the ids are
 identical, and the builder's peak RSS (whole process tree) on the full corpus and on a fifth of it.
+
+With --chat (a corpus of tools/make_chat_corpus.py): a chat build (input_format="messages", a
+ChatML template, the tokenizer with its markers added) against a text build of the same rendered
+text, in the same run: tokens/s of each and their ratio, whether the ids are identical, the bytes
+of the loss mask (and of the whole documents sidecars) against the token bytes, and reading
+(TokenDataset batches, shuffled) with the mask against reading the text cache without one.
 """
 
 from __future__ import annotations
@@ -75,12 +82,104 @@ def cache_ids_by_input(out: str) -> list[list[list[int]]]:
     return [per_input[i] for i in sorted(per_input)]
 
 
+CHATML = (  # a ChatML template written for this benchmark (no generation tags: turn renderings)
+    "{%- for message in messages -%}"
+    "{{- '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>\\n' -}}"
+    "{%- endfor -%}"
+    "{%- if add_generation_prompt -%}{{- '<|im_start|>assistant\\n' -}}{%- endif -%}")
+
+
+def timed_build(inputs: list[str], out: str, tokenizer: str, workers: int | None, **options) -> float:
+    """Seconds a build_cache run takes in a child process (interpreter start included)."""
+    code = ("import sys, json, torchcache as tc; "
+            "tc.build_cache(json.loads(sys.argv[1]), sys.argv[2], sys.argv[3], "
+            "num_workers=json.loads(sys.argv[4]), progress=False, **json.loads(sys.argv[5]))")
+    start = time.perf_counter()
+    subprocess.run([sys.executable, "-c", code, json.dumps(inputs), out, tokenizer,
+                    json.dumps(workers), json.dumps(options)], check=True)
+    return time.perf_counter() - start
+
+
+def chat_comparison(chat_dir: str, tokenizer: str, workers: int | None) -> None:
+    """A chat build against a text build of the same rendered text; mask storage; masked reads."""
+    import torch
+    import torchcache as tc
+    from torchcache.build.chat import ChatTemplate, normalize_messages
+    shards = sorted(glob.glob(os.path.join(chat_dir, "*.jsonl")))
+    if not shards:
+        raise SystemExit(f"no *.jsonl in {chat_dir}")
+    template = ChatTemplate(CHATML)
+    with tempfile.TemporaryDirectory() as tmp:
+        tok = Tokenizer.from_file(tokenizer)
+        tok.add_special_tokens(["<|im_start|>", "<|im_end|>"])
+        tok_path = os.path.join(tmp, "tokenizer.json")
+        tok.save(tok_path)
+        rendered = []
+        for k, shard in enumerate(shards):  # the text each conversation renders to, as text records
+            path = os.path.join(tmp, f"rendered-{k}.jsonl")
+            with open(shard, encoding="utf-8") as f, open(path, "w", encoding="utf-8") as out:
+                for line in f:
+                    text = template.render_text(normalize_messages(json.loads(line), "messages"))
+                    out.write(json.dumps({"text": text}) + "\n")
+            rendered.append(path)
+        chat, text = os.path.join(tmp, "chat"), os.path.join(tmp, "text")
+        text_s = timed_build(rendered, text, tok_path, workers, special_tokens_as_text=False)
+        chat_s = timed_build(shards, chat, tok_path, workers, input_format="messages",
+                             chat_template=CHATML)
+        chat_cache, text_cache = tc.TokenCache(chat), tc.TokenCache(text)
+        n = chat_cache.num_tokens
+        same = n == text_cache.num_tokens and bool(np.array_equal(chat_cache.read(0, n), text_cache.read(0, n)))
+        print(f"text build of the rendered text: {n:,} tokens in {text_s:.1f} s = {n / text_s / 1e6:.3f} M tokens/s")
+        print(f"chat build (messages, ChatML):   {n:,} tokens in {chat_s:.1f} s = {n / chat_s / 1e6:.3f} M tokens/s")
+        print(f"ids identical: {same}; trained fraction {chat_cache.loss_mask(0, n).mean():.3f}")
+        token_bytes = sum(os.path.getsize(os.path.join(chat, "blocks", f)) for f in os.listdir(os.path.join(chat, "blocks"))
+                          if f.endswith(".safetensors") and f.count(".") == 1)
+        sidecars = [os.path.join(chat, "blocks", f) for f in os.listdir(os.path.join(chat, "blocks"))
+                    if f.endswith(".docs.safetensors")]
+        mask_bytes = sum(_tensor_bytes(p, "mask") for p in sidecars)
+        docs_bytes = sum(os.path.getsize(p) for p in sidecars)
+        print(f"mask storage: {mask_bytes:,} bytes = {mask_bytes / token_bytes:.2%} of the {token_bytes:,} "
+              f"token bytes (documents sidecars in all: {docs_bytes / token_bytes:.2%})")
+        seconds = {}
+        for name, cache in (("text", text_cache), ("chat", chat_cache)):
+            ds = tc.TokenDataset(cache, 2048)
+            order = np.random.default_rng(0).permutation(len(ds))
+            order = order[: len(order) // 16 * 16].reshape(-1, 16)
+            best = float("inf")
+            for _ in range(5):
+                t = time.perf_counter()
+                for rows in order:
+                    batch = ds.get_batch(rows.tolist())
+                best = min(best, time.perf_counter() - t)
+            seconds[name] = best
+            assert ("loss_mask" in batch) == (name == "chat") and isinstance(batch["labels"], torch.Tensor)
+        print(f"reading a shuffled pass in batches of 16 x 2048 (best of 5): without mask "
+              f"{seconds['text']:.3f} s, with mask {seconds['chat']:.3f} s")
+        print(f"RATIO chat build / text build tokens/s: {text_s / chat_s:.2f}x")
+        print(f"RATIO mask storage / token bytes: {mask_bytes / token_bytes:.4f}")
+        print(f"RATIO reading with mask / without: {seconds['text'] / seconds['chat']:.2f}x")
+        if not same:
+            raise SystemExit("the chat cache's ids differ from the text cache's")
+
+
+def _tensor_bytes(path: str, name: str) -> int:
+    """Bytes of tensor `name` in a safetensors file (0 when it has none)."""
+    with open(path, "rb") as f:
+        header = json.loads(f.read(int.from_bytes(f.read(8), "little")))
+    begin, end = header.get(name, {}).get("data_offsets", (0, 0))
+    return end - begin
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--corpus", default=os.path.join(SHARED, "corpus", "gutenberg_en"))
     parser.add_argument("--tokenizer", default=os.path.join(SHARED, "tokenizers", "gpt2", "tokenizer.json"))
     parser.add_argument("--workers", type=int, default=None, help="builder workers (default: all cores)")
+    parser.add_argument("--chat", default=None, help="a chat corpus (tools/make_chat_corpus.py): "
+                                                     "compare a chat build with a text build")
     args = parser.parse_args()
+    if args.chat:
+        return chat_comparison(args.chat, args.tokenizer, args.workers)
     shards = sorted(glob.glob(os.path.join(args.corpus, "*.jsonl")))
     if not shards:
         raise SystemExit(f"no *.jsonl in {args.corpus}")

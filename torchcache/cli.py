@@ -29,9 +29,12 @@ from ._util.args import POSITION_LIMIT, int_arg, optional_int_arg
 from .build.api import build_cache
 from .build.commit import acquire_lock
 from .build.convert import convert_webdataset
+from .build.chat import TRAIN_ON
 from .build.engine import default_workers, progress_enabled
+from .build.formats import INPUT_FORMATS
 from .build.repair import repair_cache
 from .build.verify import Problem, check_cache, verify_cache
+from .format import blocks as fmt
 from .format.ledger import HEAD_NAME, upgrade
 from .format.storage import is_remote, open_storage
 from .format.store_errors import ENDPOINT_EXAMPLE, store_message
@@ -46,9 +49,19 @@ def _build(args: argparse.Namespace) -> int:
     result = build_cache(args.inputs, args.output, args.tokenizer, text_key=args.text_key,
                          block_tokens=args.block_tokens, num_workers=args.workers,
                          on_error=args.on_error, eos=_token_arg(args.eos), bos=_token_arg(args.bos),
-                         special_tokens_as_text=not args.keep_special_tokens, progress=None,
-                         storage_options=args.storage_options, allow_empty=args.allow_empty)
+                         special_tokens_as_text=_special_tokens_as_text(args), progress=None,
+                         storage_options=args.storage_options, allow_empty=args.allow_empty,
+                         input_format=args.input_format, chat_template=args.chat_template,
+                         train_on=args.train_on, keep_fields=tuple(args.keep_field))
     return _summary(result)
+
+
+def _special_tokens_as_text(args: argparse.Namespace) -> bool | None:
+    """--keep-special-tokens as build_cache takes it: for messages the rendering's special tokens
+    are always tokens (None lets the library decide), for other formats they are text unless given."""
+    if args.input_format == "messages":
+        return None
+    return not args.keep_special_tokens
 
 
 def _convert(args: argparse.Namespace) -> int:
@@ -114,6 +127,8 @@ def _info(args: argparse.Namespace) -> int:
         "spec": {k: v for k, v in cache.spec.items() if k != "inputs"},
         "inputs": len(cache.spec["inputs"]),
     }
+    if cache.spec.get("documents") is not None:
+        info["documents_format"] = _documents_info(cache)
     roots = _plan_roots(cache, args.plan_dir)
     plans, others = _stored_plans(cache, roots)
     info["pack_plans"] = plans
@@ -137,10 +152,61 @@ def _info(args: argparse.Namespace) -> int:
     tokenizer = spec["tokenizer"]["fingerprint"][:23] if spec["tokenizer"] else "none (pre-tokenized)"
     print(f"  tokenizer  {tokenizer}  vocab {spec['vocab_size']}  dtype {spec['dtype']}  "
           f"bos {spec['bos_id']}  eos {spec['eos_id']}")
-    print(f"  inputs     {len(spec['inputs'])} (text key {spec['text_key']!r})")
+    text_input = (spec.get("documents") or {}).get("input_format", "text") == "text"
+    print(f"  inputs     {len(spec['inputs'])}" + (f" (text key {spec['text_key']!r})" if text_input else ""))
+    if "documents_format" in info:
+        _print_documents(info["documents_format"])
     print(f"  fingerprint {cache.fingerprint}")
     _print_plans(plans, others, roots)
     return 0
+
+
+def _trained_tokens(cache: TokenCache) -> int:
+    """How many tokens of the cache are trained (its loss mask, read block by block)."""
+    if not cache.has_loss_mask:
+        return cache.num_tokens
+    starts = cache.block_token_starts()
+    return sum(int(cache.loss_mask(int(starts[b]), int(starts[b + 1])).sum())
+               for b in range(cache.num_blocks))
+
+
+def _documents_info(cache: TokenCache) -> dict[str, Any]:
+    """What a format v3 cache's spec says of its documents, and the share of tokens trained."""
+    documents = cache.spec["documents"]
+    trained = _trained_tokens(cache)
+    return {"input_format": documents["input_format"], "loss_mask": documents["loss_mask"],
+            "chat_template": documents["chat_template"], "train_on": documents["train_on"],
+            "keep_fields": documents["keep_fields"], "trained_tokens": trained,
+            "trained_fraction": trained / cache.num_tokens if cache.num_tokens else None}
+
+
+_SHORT_TEMPLATE = 80  # characters: a template this short (on one line) is shown whole
+
+
+def _template_summary(template: str) -> str:
+    """A chat template in one line: whole if short, else its first non-blank line and its size."""
+    if len(template) <= _SHORT_TEMPLATE and "\n" not in template:
+        return repr(template)
+    first = next((line.strip() for line in template.splitlines() if line.strip()), "")
+    if len(first) > _SHORT_TEMPLATE:
+        first = first[:_SHORT_TEMPLATE - 3] + "..."
+    lines = len(template.splitlines())
+    return f"{first!r} ... ({_plural(len(template), 'character')}, {_plural(lines, 'line')})"
+
+
+def _print_documents(d: dict[str, Any]) -> None:
+    """`info`'s lines about a format v3 cache: input format, template, train_on, kept fields, mask."""
+    train_on = f" (train on {d['train_on']})" if d["train_on"] else ""
+    print(f"  format     v3: input format {d['input_format']}{train_on}")
+    if d["chat_template"] is not None:
+        print(f"  template   {_template_summary(d['chat_template'])}")
+    kept = ", ".join(d["keep_fields"])
+    print(f"  fields     {kept + ' (kept with each document)' if kept else 'none kept'}")
+    if not d["loss_mask"]:
+        print("  trained    every token (no loss mask)")
+    elif d["trained_fraction"] is not None:
+        print(f"  trained    {d['trained_fraction']:.2%} of tokens ({d['trained_tokens']:,} by the "
+              "loss mask)")
 
 
 def _plan_roots(cache: TokenCache, plan_dir: str | None) -> list[str]:
@@ -174,7 +240,8 @@ def _stored_plan(cache: TokenCache, root: str, stored: dict) -> dict:
                                          "algorithm", "chunk_blocks")},
            "chunk_files": len(stored["chunks"]), "state": "partial", "rows": None,
            "padding": None, "padding_fraction": None, "split_documents": None,
-           "dropped_documents": None, "dropped_tokens": None}
+           "dropped_documents": None, "dropped_tokens": None, "truncated_documents": None,
+           "truncated_tokens": None}
     try:
         identity = PlanIdentity(**fields)
         readable = identity.plan_id == os.path.basename(stored["path"]) and identity.chunk_blocks > 0
@@ -195,7 +262,7 @@ def _stored_plan(cache: TokenCache, root: str, stored: dict) -> dict:
     totals = plan.totals()
     out.update(state="complete", **{k: totals[k] for k in (
         "rows", "padding", "padding_fraction", "split_documents", "dropped_documents",
-        "dropped_tokens")})
+        "dropped_tokens", "truncated_documents", "truncated_tokens")})
     return out
 
 
@@ -293,7 +360,9 @@ def _pack(args: argparse.Namespace) -> int:
         "rows": rows, "padding": totals["padding"],
         "padding_fraction": totals["padding_fraction"],
         "split_documents": totals["split_documents"], "dropped_documents": totals["dropped_documents"],
-        "dropped_tokens": totals["dropped_tokens"], "blocks": plan.blocks,
+        "dropped_tokens": totals["dropped_tokens"],
+        "truncated_documents": totals["truncated_documents"],
+        "truncated_tokens": totals["truncated_tokens"], "blocks": plan.blocks,
         "cache_complete": cache.complete, "chunk_files": len(after), "blocks_computed": computed,
         "already_stored": bool(before) and computed == 0, "seconds": round(seconds, 3),
         "workers": workers,
@@ -309,6 +378,9 @@ def _pack(args: argparse.Namespace) -> int:
     print(f"  padding    {result['padding_fraction']:.3%}  ({totals['padding']:,} tokens)")
     if identity.long_docs == "split":
         print(f"  split      {_plural(totals['split_documents'], 'document')} longer than seq_len")
+    elif identity.long_docs == "truncate":
+        print(f"  truncated  {_plural(totals['truncated_documents'], 'document')} longer than "
+              f"seq_len ({totals['truncated_tokens']:,} tokens cut)")
     else:
         print(f"  dropped    {_plural(totals['dropped_documents'], 'document')} longer than seq_len "
               f"({totals['dropped_tokens']:,} tokens)")
@@ -338,9 +410,11 @@ def _upgrade(args: argparse.Namespace) -> int:
     lock = acquire_lock(storage)  # no builder may commit while the record is rewritten
     try:
         changed = upgrade(storage)
+        _, version, _ = fmt.load_manifest(storage)
     finally:
         lock.release()
-    print(f"{args.cache}: {'upgraded to' if changed else 'already in'} format v2")
+    # v3 (documents sidecars) is v2's layout plus a file per block: nothing to convert
+    print(f"{args.cache}: {'upgraded to' if changed else 'already in'} format v{version}")
     return 0
 
 
@@ -410,15 +484,39 @@ def _show(args: argparse.Namespace) -> int:
         ids = cache.read(start, stop).astype(np.int64)
     else:
         ids = cache.document(args.document)
+        start, stop = cache.document_span(args.document)
         key = cache.document_key(args.document)
         if key is not None:
             print(f"document {args.document}: sample key {key!r}", file=sys.stderr)
-    if args.ids or cache.spec["tokenizer"] is None:
-        print(" ".join(map(str, ids.tolist())))
-    else:
-        sys.stdout.write(cache.decode(ids))
-        sys.stdout.write("\n")
+    trained = None
+    if cache.has_loss_mask and not args.no_mask:
+        trained = cache.loss_mask(start, stop)
+    as_ids = args.ids or cache.spec["tokenizer"] is None
+    marks = _DIM if sys.stdout.isatty() else _BRACKETS
+    if trained is not None:
+        shown = "dimmed" if marks is _DIM else f"in {_BRACKETS[0]}...{_BRACKETS[1]}"
+        print(f"tokens not trained (loss mask) are {shown}; {int(trained.sum()):,} of "
+              f"{len(ids):,} tokens trained (--no-mask: print as stored)", file=sys.stderr)
+    pieces = []
+    for a, b, on in _runs(trained, len(ids)):
+        part = " ".join(map(str, ids[a:b].tolist())) if as_ids else cache.decode(ids[a:b])
+        pieces.append(part if on else f"{marks[0]}{part}{marks[1]}")
+    sys.stdout.write((" " if as_ids else "").join(pieces))
+    sys.stdout.write("\n")
     return 0
+
+
+_DIM = ("\x1b[2m", "\x1b[0m")  # ANSI dim, then reset: untrained tokens on a terminal
+_BRACKETS = ("\u27e6", "\u27e7")  # ⟦ ⟧: untrained tokens elsewhere (a file, a pipe)
+
+
+def _runs(trained: np.ndarray | None, n: int) -> list[tuple[int, int, bool]]:
+    """[a, b) ranges of equal trained flags covering n tokens (one trained range without a mask)."""
+    if trained is None or not n:
+        return [(0, n, True)]
+    edges = np.flatnonzero(np.diff(trained.astype(np.int8))) + 1
+    bounds = [0, *edges.tolist(), n]
+    return [(a, b, bool(trained[a])) for a, b in zip(bounds, bounds[1:])]
 
 
 # The library's messages name Python arguments; on the command line, name the flags instead.
@@ -539,6 +637,22 @@ def make_parser() -> argparse.ArgumentParser:
                    help="let special-token strings inside documents become special tokens")
     b.add_argument("--allow-empty", action="store_true",
                    help="accept a build that yields no document (default: an error)")
+    b.add_argument("--input-format", choices=INPUT_FORMATS, default="text",
+                   help="text (default: one string field, --text-key); messages ({\"messages\": "
+                        "[{\"role\", \"content\"}, ...]}, rendered with the chat template); "
+                        "prompt_completion ({\"prompt\", \"completion\"}, the completion trained); "
+                        "tokens ({\"input_ids\", \"loss_mask\" or \"labels\"}). All but text store "
+                        "a loss mask (format v3) and read JSON lines files")
+    b.add_argument("--chat-template", default=None, metavar="FILE_OR_TEXT",
+                   help="for --input-format messages: a Jinja template, as a .jinja or JSON file "
+                        "or as text (default: the tokenizer's own, from tokenizer_config.json "
+                        "beside tokenizer.json)")
+    b.add_argument("--train-on", choices=TRAIN_ON, default="assistant",
+                   help="which tokens of a conversation are trained: every assistant turn "
+                        "(default), the last assistant turn, or all")
+    b.add_argument("--keep-field", action="append", default=[], metavar="NAME",
+                   help="a field of each record kept with its document (repeatable; "
+                        "cache.document_info shows them; makes the cache format v3)")
     b.set_defaults(func=_build)
 
     c = sub.add_parser("convert-webdataset", help="convert WebDataset tars into a cache",
@@ -579,7 +693,8 @@ def make_parser() -> argparse.ArgumentParser:
     p.add_argument("cache")
     p.add_argument("--seq-len", type=int, required=True, help="tokens per packed row")
     p.add_argument("--long-docs", choices=LONG_DOCS, default="split",
-                   help="documents longer than seq_len: split into seq_len pieces (default) or drop")
+                   help="documents longer than seq_len: split into seq_len pieces (default), "
+                        "drop, or truncate (keep their first seq_len tokens)")
     p.add_argument("--max-segments", type=int, default=None,
                    help="at most this many documents per row (default: seq_len)")
     p.add_argument("--seed", type=int, default=0,
@@ -618,7 +733,8 @@ def make_parser() -> argparse.ArgumentParser:
     v.set_defaults(func=_verify)
 
     u = sub.add_parser("upgrade", help="convert a format v1 cache to v2 in place (crash-safe; "
-                                       "same fingerprint, block files untouched)",
+                                       "same fingerprint, block files untouched; a v2 or v3 "
+                                       "cache is left as it is)",
                        parents=[remote])
     u.add_argument("cache")
     u.set_defaults(func=_upgrade)
@@ -629,6 +745,9 @@ def make_parser() -> argparse.ArgumentParser:
     what.add_argument("-d", "--document", type=int, help="document index")
     what.add_argument("--tokens", help="global token range START:STOP, or N for the first N tokens")
     s.add_argument("--ids", action="store_true", help="print token ids instead of text")
+    s.add_argument("--no-mask", action="store_true",
+                   help="for a cache with a loss mask: print the tokens as stored, without marking "
+                        "the untrained ones (dimmed on a terminal, else in \u27e6...\u27e7)")
     s.set_defaults(func=_show)
     return parser
 

@@ -9,12 +9,12 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Callable
 
 import numpy as np
 
 from ..format import blocks as fmt
-from ..format.documents import has_documents
+from ..format.documents import docs_max_size, has_documents, read_docs_file
 from ..read.cache_files import (CacheFiles, check_block_file, load_keys, load_offsets, locate_cache,
                                 offsets_max_size)
 from ..errors import CacheFormatError
@@ -42,7 +42,8 @@ class Problem:
 def check_cache(path: str | os.PathLike, storage_options: dict[str, Any] | None = None,
                 local_dir: str | None = None) -> list[Problem]:
     """Check a whole cache: the manifest, the stream order, every file's checksum, and for intact
-    files their headers, offsets and keys against the manifest. An empty list means all is well.
+    files their headers, offsets, keys and (format v3) documents sidecars against the manifest and
+    their block: record numbers, mask runs and kept fields. An empty list means all is well.
 
     For a remote cache, files are checked as they are copied locally (a bad one is reported).
     A directory without a manifest raises FileNotFoundError (it is not a cache).
@@ -101,7 +102,7 @@ def _check_files(source: CacheFiles, spec: dict[str, Any], table: BlockTable) ->
     problems = _check_tokenizer(source, spec, len(table) > 0)
     dtype = fmt.DTYPES[spec["dtype"]]
     for b in range(len(table)):
-        problems.extend(_check_block(source, table, b, dtype))
+        problems.extend(_check_block(source, spec, table, b, dtype))
     return problems
 
 
@@ -125,31 +126,57 @@ def _check_tokenizer(source: CacheFiles, spec: dict[str, Any], committed: bool) 
     return []
 
 
-def _check_block(source: CacheFiles, table: BlockTable, b: int, dtype: np.dtype) -> list[Problem]:
-    """Problems of block b's files: checksums first, then (if intact) their contents."""
+@dataclass(frozen=True)
+class _BlockFile:
+    """One file of a block: where, its recorded checksum, a size cap, and its content check."""
+
+    rel: str
+    checksum: str
+    max_size: int
+    check: Callable[[int, str], Any]
+
+
+def _block_files(spec: dict[str, Any], table: BlockTable, b: int, dtype: np.dtype) -> list[_BlockFile]:
+    """Block b's files: tokens, offsets, and its keys file (v1/v2) or documents sidecar (v3)."""
     record = table.records[b]
     tokens, documents, size = int(record["num_tokens"]), int(record["num_documents"]), int(record["size"])
-    files = [(table.path(b), table.checksum(b), size),
-             (table.offsets_path(b), table.checksum(b, "offsets_checksum"), offsets_max_size(documents))]
+    files = [_BlockFile(table.path(b), table.checksum(b), size,
+                        lambda fd, path: check_block_file(fd, path, dtype, tokens, size)),
+             _BlockFile(table.offsets_path(b), table.checksum(b, "offsets_checksum"),
+                        offsets_max_size(documents),
+                        lambda fd, path: load_offsets(fd, path, documents, tokens))]
     if table.has_keys(b):
-        files.append((table.keys_path(b), table.checksum(b, "keys_checksum"), fmt.MAX_KEYS_BYTES))
+        files.append(_BlockFile(table.keys_path(b), table.checksum(b, "keys_checksum"),
+                                fmt.MAX_KEYS_BYTES, lambda fd, path: load_keys(fd, path, documents)))
+    if table.docs:
+        kept = spec["documents"]
+
+        def check_docs(fd: int, path: str) -> None:
+            read_docs_file(fd, path, documents, tokens, mask=bool(kept["loss_mask"]),
+                           fields=bool(kept["keep_fields"]))
+        files.append(_BlockFile(table.docs_path(b), table.checksum(b, "keys_checksum"),
+                                docs_max_size(documents, tokens), check_docs))
+    return files
+
+
+def _check_block(source: CacheFiles, spec: dict[str, Any], table: BlockTable, b: int,
+                 dtype: np.dtype) -> list[Problem]:
+    """Problems of block b's files: checksums first, then (if intact) their contents."""
+    files = _block_files(spec, table, b, dtype)
     problems, opened = [], []
     try:
-        for rel, checksum, max_size in files:
+        for f in files:
             try:
-                opened.append(source.open(rel, checksum, verify=True, max_size=max_size))
+                opened.append(source.open(f.rel, f.checksum, verify=True, max_size=f.max_size))
             except CacheFormatError as e:
-                problems.append(Problem(str(e), b, rel))
+                problems.append(Problem(str(e), b, f.rel))
         if problems:
             return problems
-        checks = [lambda fd, path: check_block_file(fd, path, dtype, tokens, size),
-                  lambda fd, path: load_offsets(fd, path, documents, tokens),
-                  lambda fd, path: load_keys(fd, path, documents)]
-        for (rel, _, _), (path, fd), check in zip(files, opened, checks):
+        for f, (path, fd) in zip(files, opened):
             try:
-                check(fd, path)
+                f.check(fd, path)
             except CacheFormatError as e:
-                problems.append(Problem(str(e), b, rel))
+                problems.append(Problem(str(e), b, f.rel))
         return problems
     finally:
         for _, fd in opened:

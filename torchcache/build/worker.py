@@ -174,7 +174,11 @@ def build_input(job: BuildJob, index: int, source: InputSource | Iterable[str],
         return BlockWritten(index, entry, {"records": upto, "skipped": dict(counts),
                                            "blocks": block_no, "digest": upto_digest})
 
-    where = getattr(source, "path", "inputs item")
+    if isinstance(source, InputSource):
+        path = source.path
+        where = lambda number: f"{path}:{number}"  # noqa: E731 - file:line, as for text records
+    else:
+        where = lambda number: f"inputs item {number}"  # noqa: E731
     batches = _Batches(stream, skipped, _record_check(job, source), job.on_error,
                        _shaper(job), where)
     for batch in batches:
@@ -225,7 +229,7 @@ class _BlockBuilder:
         self.tokens += len(doc.ids)
         self.keys.append(record.key)
         if self.job.documents is not None:
-            self.records.append(record.number)
+            self.records.append(record.number - 1)  # 0-based (numbers are 1-based lines)
             self.fields.append(shaped.fields if shaped.fields is not None else b"{}")
             if self.masked:
                 self.trained.append(doc.trained)
@@ -319,7 +323,8 @@ class _Batches:
 
     def __init__(self, stream: Iterator[Record], skipped: dict[str, int],
                  check: Callable[[Record, Any], tuple[str, BadRecord] | None], on_error: str = "raise",
-                 shape: Callable[[Record], Any] | None = None, where: str = ""):
+                 shape: Callable[[Record], Any] | None = None,
+                 where: Callable[[int], str] = str):
         self.stream, self.skipped = stream, skipped
         self.last_number, self.last_digest = 0, None  # of the last record read, kept or not
         self.check, self.on_error, self.shape, self.where = check, on_error, shape, where
@@ -345,7 +350,7 @@ class _Batches:
                 try:
                     shaped, content = self._content(record)
                 except BadRecord as bad:
-                    self._count(raise_or_count(f"{self.where}:{record.number}", bad, self.on_error))
+                    self._count(raise_or_count(self.where(record.number), bad, self.on_error))
                     continue
                 if content is None:
                     self._count(record.problem)

@@ -2,7 +2,8 @@
 are trained, and the fields the build kept (see docs/format.md, "Format v3").
 
 `blocks/IIIIII-KKKKKK.docs.safetensors` holds up to four 1-D tensors:
-  records        I64, one per document: its record number within its input (line, row, sample)
+  records        I64, one per document: the 0-based index of its record in its input (line - 1,
+                 row, sample, item)
   mask           I32 (I64 for a block of 2^31 tokens or more): (start, length) pairs, flattened, of
                  the runs of trained tokens, block-relative, sorted, apart, never empty. Only in a
                  cache with loss masks.
@@ -53,7 +54,7 @@ def has_loss_mask(spec: dict[str, Any]) -> bool:
 class BlockDocuments:
     """One block's documents sidecar, checked."""
 
-    records: np.ndarray        # int64, one per document
+    records: np.ndarray        # int64, one per document: its record's 0-based index in its input
     runs: np.ndarray | None    # int64 (n, 2): (start, length) of trained runs, block-relative
     fields: bytes | None
     field_offsets: np.ndarray | None
@@ -114,8 +115,8 @@ def read_docs_file(fd: int, path: str, num_documents: int, num_tokens: int,
         if (name in headers) != wanted:
             raise bad(f"tensor {name!r} is {'missing' if wanted else 'unexpected'}")
     records = _array(fd, path, headers["records"], ("I64",), num_documents, bad, "records")
-    if len(records) and (records[0] < 1 or np.any(np.diff(records) <= 0)):
-        raise bad("record numbers are not increasing from 1")
+    if len(records) and (records[0] < 0 or np.any(np.diff(records) <= 0)):
+        raise bad("record indices are not increasing from 0")
     runs = None
     if mask:
         flat = _array(fd, path, headers["mask"], ("I32", "I64"), None, bad, "mask")

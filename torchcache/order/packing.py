@@ -23,7 +23,7 @@ __all__ = ["BlockPack", "PACKING_ALGORITHM", "LONG_DOCS", "pack_block"]
 
 #: Stored with every plan; bump whenever any plan could change.
 PACKING_ALGORITHM = "best-fit-decreasing-v1"
-LONG_DOCS = ("split", "drop")
+LONG_DOCS = ("split", "drop", "truncate")
 
 
 @dataclass(frozen=True)
@@ -39,7 +39,9 @@ class BlockPack:
     seg_len: np.ndarray  # int32[segments], 1 .. seq_len
     seg_continues: np.ndarray  # bool[segments]: the document goes on after this piece
     padding: int  # padding tokens over the rows
-    dropped_documents: int  # long_docs="drop": documents longer than seq_len, left out
+    # long_docs="drop": documents longer than seq_len, left out, and their tokens;
+    # long_docs="truncate": documents longer than seq_len, cut to it, and the tokens cut off
+    dropped_documents: int
     dropped_tokens: int
     split_documents: int  # long_docs="split": documents cut into pieces
 
@@ -53,6 +55,9 @@ def pack_block(offsets: np.ndarray, seq_len: int, *, long_docs: str = "split",
     """Pack the documents of one block (its cumulative ``offsets``, n_docs + 1) into rows.
 
     ``seed`` and ``block`` decide which of several equal-length pieces goes first (ties only).
+    ``long_docs="truncate"`` keeps a long document's first ``seq_len`` tokens as one piece
+    (marked as continued: its last label is the document's next token) and counts the cut in
+    ``dropped_documents`` / ``dropped_tokens``.
     """
     offsets = np.asarray(offsets, dtype=np.int64)
     starts, lengths = offsets[:-1], np.diff(offsets)
@@ -68,6 +73,10 @@ def pack_block(offsets: np.ndarray, seq_len: int, *, long_docs: str = "split",
     elif long_docs == "split":
         split_documents = int(long.sum())
         item_start, item_len, item_continues = _split_pieces(starts[lengths > 0], lengths[lengths > 0], C)
+    elif long_docs == "truncate":
+        dropped_documents, dropped_tokens = int(long.sum()), int((lengths[long] - C).sum())
+        keep = lengths > 0
+        item_start, item_len, item_continues = starts[keep], np.minimum(lengths[keep], C), long[keep]
     else:
         raise ValueError(f"long_docs must be one of {LONG_DOCS}, got {long_docs!r}")
 

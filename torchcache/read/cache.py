@@ -48,6 +48,7 @@ from .cache_files import (check_block_file, load_keys, load_offsets, locate_cach
 from ..errors import CacheFormatError
 from ..format.documents import BlockDocuments, docs_max_size, has_loss_mask, read_docs_file
 from ..format.ledger import BlockTable, CacheState, open_state, refresh_state
+from .trained_runs import TrainedRuns
 from .local_copies import STAT_FIELDS, STATS_DIR, SessionStats, parse_size, tree_bytes
 from .remote_reads import ArrayReads, BoundedReader, ReadOrder
 from ..format.tokenizer import cache_tokenizer
@@ -345,6 +346,7 @@ class TokenCache:
         self._checked_blocks: LRUCache[tuple[str, int]] = LRUCache(_MAX_CHECKED_BLOCKS)
         self._keys_cache: LRUCache[list[str | None]] = LRUCache(_MAX_CACHED_KEYS)
         self._docs_cache: LRUCache[BlockDocuments] = LRUCache(_MAX_CACHED_DOCS)
+        self._trained = TrainedRuns()  # the mask runs of the blocks read so far
         self._verified: set[str] = set()
         self._init_process_state()
         self._source = locate_cache(os.fspath(path), storage_options, local_dir)
@@ -998,52 +1000,18 @@ class TokenCache:
             raise IndexError(f"token range [{start}, {stop}) outside [0, {self.num_tokens})")
         return self.loss_masks(np.asarray([start], np.int64), stop - start)[0]
 
+    @_locked
     def loss_masks(self, starts: Any, length: int) -> np.ndarray:
         """Trained flags of the ranges [s, s + length) for each s of `starts`, as a (rows, length)
-        bool array: the rows of `read_many`, for the mask."""
+        bool array: the rows of `read_many`, for the mask (all True without a loss mask)."""
         starts = np.asarray(starts, dtype=np.int64).reshape(-1)
         if not self.has_loss_mask:
             return np.ones((len(starts), length), dtype=bool)
-        out = np.zeros((len(starts), length), dtype=bool)
-        if not len(starts) or length <= 0:
-            return out
-        ends = starts + length
-        first = np.searchsorted(self._token_starts, starts, side="right") - 1
-        last = np.searchsorted(self._token_starts, ends - 1, side="right") - 1
-        for b in np.unique(first):  # rows inside one block: all at once
-            rows = np.flatnonzero((first == b) & (last == b))
-            if len(rows):
-                self._mark_trained(out, rows, starts[rows], length, int(b))
-        for r in np.flatnonzero(first != last):  # rows across block edges: block by block
-            for b in range(int(first[r]), int(last[r]) + 1):
-                base, top = int(self._token_starts[b]), int(self._token_starts[b + 1])
-                lo, hi = max(int(starts[r]), base), min(int(ends[r]), top)
-                part = np.zeros((1, hi - lo), dtype=bool)
-                self._mark_trained(part, np.zeros(1, np.intp), np.asarray([lo]), hi - lo, b)
-                out[r, lo - int(starts[r]): hi - int(starts[r])] = part[0]
-        return out
-
-    def _mark_trained(self, out: np.ndarray, rows: np.ndarray, starts: np.ndarray, length: int,
-                      b: int) -> None:
-        """Set out[rows] to the trained flags of [starts, starts + length), all inside block b."""
-        runs = self._block_docs(b).runs
-        if not len(runs):
-            return
-        local = starts - int(self._token_starts[b])
-        run_starts, run_ends = runs[:, 0], runs[:, 0] + runs[:, 1]
-        first = np.searchsorted(run_ends, local, side="right")
-        counts = np.searchsorted(run_starts, local + length, side="left") - first
-        total = int(counts.sum())
-        if not total:
-            return
-        owner = np.repeat(np.arange(len(rows)), counts)
-        which = np.repeat(first - np.cumsum(counts) + counts, counts) + np.arange(total)
-        begin = np.clip(run_starts[which] - local[owner], 0, length)
-        end = np.clip(run_ends[which] - local[owner], 0, length)
-        edges = np.zeros((len(rows), length + 1), dtype=np.int8)
-        edges[owner, begin] = 1  # runs are apart: no two edges of a row fall on one position
-        edges[owner, end] -= 1
-        out[rows] = np.cumsum(edges[:, :length], axis=1, dtype=np.int8) > 0
+        if len(starts) and (starts.min() < 0 or starts.max() + length > self.num_tokens):
+            raise IndexError(f"token ranges of {length} tokens from {starts.min()} to "
+                             f"{starts.max()} reach outside [0, {self.num_tokens})")
+        return self._trained.masks(starts, length, self._token_starts,
+                                   lambda b: self._block_docs(b).runs)
 
     def document_loss_mask(self, i: int) -> np.ndarray:
         """Which tokens of document i are trained (bool, the length of `document(i)`).
@@ -1055,11 +1023,12 @@ class TokenCache:
         return self.loss_mask(start, stop)
 
     def document_info(self, i: int) -> dict[str, Any]:
-        """Where document i came from: its input file, its record there (line, row or sample
-        number; None in caches built before format v3 kept it), and the fields kept with it.
+        """Where document i came from: its input file, the 0-based index of its record there
+        (line - 1 of a JSON lines file, item of an iterable; None in caches that do not keep it:
+        format v1/v2), the fields kept with it, and its sample key where it has one.
 
         >>> cache.document_info(12)  # doctest: +SKIP
-        {'document': 12, 'input': 'chats/part-0.jsonl', 'record': 13, 'fields': {'id': 'a7'}}
+        {'document': 12, 'input': 'chats/part-0.jsonl', 'record': 12, 'fields': {'id': 'a7'}}
         """
         i = self._check_document(i)
         b = self._document_block(i)

@@ -45,6 +45,9 @@ CHUNK_MAGIC = b"TCPACK01"
 _OWN_FILE = re.compile(r"plan\.json|\d{6}\.pack")  # the files a plan directory holds
 HEADER = np.dtype([("magic", "S8"), ("first_block", "<u8"), ("blocks", "<u8"), ("rows", "<u8"),
                    ("segments", "<u8"), ("identity", "V16"), ("reserved", "<u8")])
+# per block: rows, segments, padding tokens, and the long documents' counts; with
+# long_docs="truncate" dropped_documents / dropped_tokens count the documents cut to seq_len and
+# the tokens cut off them (nothing is dropped then)
 BLOCK_RECORD = np.dtype([("rows", "<i8"), ("segments", "<i8"), ("padding", "<i8"),
                          ("dropped_documents", "<i8"), ("dropped_tokens", "<i8"),
                          ("split_documents", "<i8"), ("offsets_sha256", "V32")])
@@ -293,13 +296,21 @@ class PackPlan:
 
     def totals(self) -> dict[str, Any]:
         """Rows, blocks, the counts of :class:`torchcache.order.packing.BlockPack` over the covered
-        blocks, and ``padding_fraction``: padding / (rows * seq_len), exact (0.0 with no rows)."""
+        blocks (``truncated_documents`` and ``truncated_tokens`` for ``long_docs="truncate"``,
+        whose plan stores them as its dropped counts), and ``padding_fraction``: padding /
+        (rows * seq_len), exact (0.0 with no rows)."""
         tables = self._tables + ([self._tail_chunk.table] if self._tail_chunk is not None else [])
         out: dict[str, Any] = {"rows": self.rows, "blocks": self.blocks}
         for field in _COUNTS:
             out[field] = int(sum(int(t[field].sum()) for t in tables))
         out["padding_fraction"] = (out["padding"] / (self.rows * self.identity.seq_len)
                                    if self.rows else 0.0)
+        # long_docs="truncate" keeps its counts in the dropped columns (see BLOCK_RECORD)
+        cut = self.identity.long_docs == "truncate"
+        out["truncated_documents"] = out["dropped_documents"] if cut else 0
+        out["truncated_tokens"] = out["dropped_tokens"] if cut else 0
+        if cut:
+            out["dropped_documents"] = out["dropped_tokens"] = 0
         return out
 
     def extend(self, progress: Callable[[int], Any] | None = None) -> bool:
@@ -546,6 +557,9 @@ class PackPlan:
         if self.identity.long_docs == "drop":
             kept = int(doc_lengths[~long].sum())
             counts = (int(long.sum()), int(doc_lengths[long].sum()), 0)
+        elif self.identity.long_docs == "truncate":  # the dropped columns count what was cut
+            kept = int(np.minimum(doc_lengths, C).sum())
+            counts = (int(long.sum()), int((doc_lengths[long] - C).sum()), 0)
         else:
             kept = int(offsets[-1])
             counts = (0, 0, int(long.sum()))
@@ -572,6 +586,8 @@ class PackPlan:
                 problem = "a continuation flag that does not match the document"
             elif self.identity.long_docs == "drop" and long[doc].any():
                 problem = "a piece of a document that should have been dropped"
+            elif self.identity.long_docs == "truncate" and (starts != offsets[doc]).any():
+                problem = "a piece that is not the start of its document (truncate keeps only that)"
             elif (s[1:] < s[:-1] + n[:-1]).any() or int(lengths.sum()) != kept:
                 problem = "pieces that overlap or do not cover the documents"
             elif (used > C).any() or int(record["padding"]) != len(ends) * C - int(lengths.sum()):

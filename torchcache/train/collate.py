@@ -13,7 +13,9 @@ Both set ``labels`` as the README's "What a batch holds" defines them: by defaul
 (ignored by ``cross_entropy``) where no token should be predicted; ``labels="shifted"`` gives
 the next token at each position instead, as :class:`torchcache.TokenDataset` and
 :class:`torchcache.PackedDataset` do by default (it is the "same" labels moved one place to the
-left). Pass extra options with ``functools.partial``, which DataLoader workers can pickle::
+left). Items of a cache with a loss mask (dicts of ``input_ids``, ``labels``, ``loss_mask``)
+collate too: their labels are then also -100 where the token predicted is not trained, and the
+batch holds ``loss_mask`` (``labels != -100``). Pass extra options with ``functools.partial``, which DataLoader workers can pickle::
 
     collate = functools.partial(tc.pad_collate, pad_id=cache.eos_id, max_length=2048)
     loader = tc.DataLoader(docs, batch_size=8, collate_fn=collate, num_workers=2)
@@ -21,7 +23,7 @@ left). Pass extra options with ``functools.partial``, which DataLoader workers c
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import torch
@@ -38,22 +40,44 @@ IGNORE_INDEX = -100
 LABEL_ALIGNMENTS = ("same", "shifted")
 
 
-def _documents(batch: Sequence[Any], max_length: int | None) -> list[torch.Tensor]:
+def _documents(batch: Sequence[Any],
+               max_length: int | None) -> tuple[list[torch.Tensor], list[torch.Tensor] | None]:
     """The batch's documents as 1-D int64 tensors, each cut to ``max_length`` tokens plus one
-    (the token after the cut, which only ``labels="shifted"`` uses; see :func:`_cut`)."""
+    (the token after the cut, which only ``labels="shifted"`` uses; see :func:`_cut`), and their
+    ``loss_mask`` (whether each next token is trained), cut alike, if the items carry one."""
     if isinstance(batch, (torch.Tensor, str, bytes)) or not isinstance(batch, Sequence):
         raise TypeError(f"batch must be a list of documents (1-D tensors of token ids), got "
                         f"{type(batch).__name__}")
     if not batch:
         raise ValueError("batch is empty: a collate function needs at least one document")
-    docs = []
+    docs, masks = [], []
     for i, item in enumerate(batch):
+        mask = None
+        if isinstance(item, Mapping):  # a DocumentDataset item of a cache with a loss mask
+            if "input_ids" not in item:
+                raise TypeError(f"batch[{i}] is a dict without input_ids (keys {sorted(item)}): "
+                                "give DocumentDataset items")
+            item, mask = item["input_ids"], item.get("loss_mask")
         doc = torch.as_tensor(item)
         if doc.dim() != 1 or doc.is_floating_point() or doc.is_complex() or doc.dtype == torch.bool:
             raise TypeError(f"batch[{i}] must be a 1-D tensor of token ids (a DocumentDataset "
                             f"item), got {doc.dtype} of shape {tuple(doc.shape)}")
-        docs.append(doc[:None if max_length is None else max_length + 1].to(torch.int64))
-    return docs
+        end = None if max_length is None else max_length + 1
+        docs.append(doc[:end].to(torch.int64))
+        masks.append(torch.ones(len(doc), dtype=torch.bool) if mask is None
+                     else torch.as_tensor(mask, dtype=torch.bool)[:end])
+    return docs, masks if any(isinstance(b, Mapping) and "loss_mask" in b for b in batch) else None
+
+
+def _trained(masks: list[torch.Tensor], docs: list[torch.Tensor], alignment: str) -> list[torch.Tensor]:
+    """Per (cut) document, which positions may keep their label: for ``"shifted"`` the item's
+    ``loss_mask`` (the next token is trained); for ``"same"`` the token itself is trained (the
+    mask one place to the right; the first token's own flag is never used by a shifting model)."""
+    out = []
+    for mask, doc in zip(masks, docs):
+        n = len(doc)
+        out.append(mask[:n] if alignment == "shifted" else torch.cat([mask.new_zeros(1), mask[:n - 1]])[:n])
+    return out
 
 
 def _cut(docs: list[torch.Tensor],
@@ -70,7 +94,8 @@ def pad_collate(batch: Sequence[torch.Tensor], *, pad_id: int = 0, max_length: i
     """Documents as one right-padded batch, with an attention mask.
 
     Args:
-        batch: 1-D tensors of token ids (:class:`torchcache.DocumentDataset` items).
+        batch: 1-D tensors of token ids, or dicts with ``input_ids`` and ``loss_mask``
+            (:class:`torchcache.DocumentDataset` items).
         pad_id: the id written in padding positions (the mask and labels make its value
             irrelevant to the loss; ``cache.eos_id`` is a common choice).
         max_length: cut longer documents to their first ``max_length`` tokens.
@@ -96,7 +121,8 @@ def pad_collate(batch: Sequence[torch.Tensor], *, pad_id: int = 0, max_length: i
     max_length = optional_int_arg(max_length, "max_length", 1)
     multiple = optional_int_arg(pad_to_multiple_of, "pad_to_multiple_of", 1)
     alignment = choice_arg(labels, "labels", LABEL_ALIGNMENTS)
-    docs, following = _cut(_documents(batch, max_length), max_length)
+    docs, masks = _documents(batch, max_length)
+    docs, following = _cut(docs, max_length)
     lengths = torch.tensor([len(d) for d in docs], dtype=torch.int64)
     width = int(lengths.max())
     if multiple is not None:
@@ -113,8 +139,15 @@ def pad_collate(batch: Sequence[torch.Tensor], *, pad_id: int = 0, max_length: i
         targets.masked_fill_(torch.arange(width) >= lengths[:, None] - 1, IGNORE_INDEX)
         for i, token in following:
             targets[i, max_length - 1] = token
-    return {"input_ids": input_ids, "attention_mask": attention_mask, "labels": targets,
-            "lengths": lengths}
+    out = {"input_ids": input_ids, "attention_mask": attention_mask, "labels": targets,
+           "lengths": lengths}
+    if masks is not None:
+        allowed = torch.zeros(input_ids.shape, dtype=torch.bool)
+        for i, trained in enumerate(_trained(masks, docs, alignment)):
+            allowed[i, :len(trained)] = trained
+        targets.masked_fill_(~allowed, IGNORE_INDEX)
+        out["loss_mask"] = targets != IGNORE_INDEX
+    return out
 
 
 def packed_collate(batch: Sequence[torch.Tensor], *, max_length: int | None = None,
@@ -122,7 +155,8 @@ def packed_collate(batch: Sequence[torch.Tensor], *, max_length: int | None = No
     """Documents end to end in one flat sequence, for variable-length attention (no padding).
 
     Args:
-        batch: 1-D tensors of token ids (:class:`torchcache.DocumentDataset` items).
+        batch: 1-D tensors of token ids, or dicts with ``input_ids`` and ``loss_mask``
+            (:class:`torchcache.DocumentDataset` items).
         max_length: cut longer documents to their first ``max_length`` tokens.
         labels: ``"same"`` (for models that shift inside) or ``"shifted"`` (the next token).
 
@@ -145,7 +179,8 @@ def packed_collate(batch: Sequence[torch.Tensor], *, max_length: int | None = No
     """
     max_length = optional_int_arg(max_length, "max_length", 1)
     alignment = choice_arg(labels, "labels", LABEL_ALIGNMENTS)
-    docs, following = _cut(_documents(batch, max_length), max_length)
+    docs, masks = _documents(batch, max_length)
+    docs, following = _cut(docs, max_length)
     lengths = torch.tensor([len(d) for d in docs], dtype=torch.int64)
     cu_seqlens = torch.zeros(len(docs) + 1, dtype=torch.int64)
     torch.cumsum(lengths, 0, out=cu_seqlens[1:])
@@ -161,6 +196,10 @@ def packed_collate(batch: Sequence[torch.Tensor], *, max_length: int | None = No
         targets[ends] = IGNORE_INDEX
         for i, token in following:
             targets[cu_seqlens[i + 1] - 1] = token
-    return {"input_ids": input_ids, "position_ids": position_ids,
-            "cu_seqlens": cu_seqlens.to(torch.int32), "max_seqlen": int(lengths.max()),
-            "labels": targets}
+    out = {"input_ids": input_ids, "position_ids": position_ids,
+           "cu_seqlens": cu_seqlens.to(torch.int32), "max_seqlen": int(lengths.max()),
+           "labels": targets}
+    if masks is not None:
+        targets.masked_fill_(~torch.cat(_trained(masks, docs, alignment)), IGNORE_INDEX)
+        out["loss_mask"] = targets != IGNORE_INDEX
+    return out

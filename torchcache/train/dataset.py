@@ -35,6 +35,7 @@ array([[0, 1, 2, 3, 4, 5, 9, 4, 6],
 
 from __future__ import annotations
 
+import copy
 import os
 from collections.abc import Mapping
 from typing import Any, Sequence
@@ -47,6 +48,7 @@ from .._util.args import (INT64_MAX, POSITION_LIMIT, bool_arg, choice_arg, index
                     optional_int_arg, unsigned_max)
 from ..read.cache import TokenCache
 from ..read.remote_reads import SamplerReads
+from .collate import IGNORE_INDEX
 
 __all__ = ["DocumentDataset", "GrowingDataset", "TokenDataset", "open_cache"]
 
@@ -83,10 +85,69 @@ def knows_content(dataset: Any) -> bool:
 _WINDOWS = "__torchcache_windows__"  # the key of the token windows in a compact batch
 
 
+def _append_bits(rows: np.ndarray, masks: np.ndarray) -> np.ndarray:
+    """`rows` (n, w) with the bits of `masks` (n, m) bool appended to each row, in `rows`' dtype."""
+    bits = np.packbits(masks, axis=1)
+    width = -(-bits.shape[1] // rows.itemsize)  # whole elements of rows' dtype
+    out = np.zeros((len(rows), rows.shape[1] + width), dtype=rows.dtype)
+    out[:, :rows.shape[1]] = rows
+    out[:, rows.shape[1]:].view(np.uint8)[:, :bits.shape[1]] = bits
+    return out
+
+
+def _split_bits(combined: np.ndarray, w: int, m: int) -> tuple[np.ndarray, np.ndarray]:
+    """The rows (n, w) and bool masks (n, m) of :func:`_append_bits`."""
+    bits = np.ascontiguousarray(combined[:, w:]).view(np.uint8)
+    return combined[:, :w], np.unpackbits(bits, axis=1, count=m).view(bool)
+
+
+def pack_masks(masks: np.ndarray) -> torch.Tensor:
+    """Bool masks (rows, n) as uint8 bits (rows, ceil(n / 8)): what a worker sends (1 bit a token)."""
+    return torch.from_numpy(np.packbits(masks, axis=1))
+
+
+def unpack_masks(packed: torch.Tensor, n: int) -> np.ndarray:
+    """The bool masks (rows, n) of :func:`pack_masks`."""
+    return np.unpackbits(packed.numpy(), axis=1, count=n).view(bool)
+
+
+def masked_labels(targets: np.ndarray, trained: np.ndarray | None) -> dict[str, torch.Tensor]:
+    """int64 ``labels`` (``targets``, -100 where not ``trained``) and, with a mask, the bool
+    ``loss_mask`` (``labels != -100``); without one (``trained`` None) only the labels.
+
+    Token ids straight from the cache (an unsigned dtype) are never -100, so their mask is
+    ``trained`` itself; labels that already hold -100 (packed rows) are compared once more."""
+    if trained is None:
+        return {"labels": torch.from_numpy(targets.astype(np.int64))}
+    labels = np.where(trained, targets, np.int64(IGNORE_INDEX))  # one pass, widened to int64
+    mask = trained if targets.dtype.kind == "u" else labels != IGNORE_INDEX
+    return {"labels": torch.from_numpy(labels), "loss_mask": torch.from_numpy(np.ascontiguousarray(mask))}
+
+
 class GrowingDataset(Dataset):
     """Shared behaviour of the datasets over a cache that may still be growing (not exported)."""
 
     cache: TokenCache
+    _loss_mask: bool = False  # items carry loss_mask (set at init; with_loss_mask() forces it)
+
+    @property
+    def has_loss_mask(self) -> bool:
+        """True when items carry ``loss_mask`` and masked ``labels``: the cache has a loss mask
+        (a chat or instruction cache), or :meth:`with_loss_mask` asked for one.
+
+        >>> tc.TokenDataset("caches/sft", 2048).has_loss_mask  # doctest: +SKIP
+        True
+        """
+        return self._loss_mask
+
+    def with_loss_mask(self) -> "GrowingDataset":
+        """This dataset (a copy) with ``loss_mask`` in every item, all True where the cache has
+        no mask: so that it batches with a masked source (a mixture does this by itself)."""
+        if self._loss_mask:
+            return self
+        twin = copy.copy(self)
+        twin._loss_mask = True
+        return twin
 
     @property
     def complete(self) -> bool:
@@ -202,6 +263,11 @@ class TokenDataset(GrowingDataset):
     (int32[max_segments + 1], cumulative lengths of the document pieces inside the sample, padded
     with seq_len) with `num_segments` giving how many entries are valid, for variable-length
     attention. `len()` follows the committed cache; call `refresh()` to pick up new blocks.
+
+    A cache with a loss mask (`cache.has_loss_mask`: chat, instruction or pre-tokenized records
+    with a mask) adds `loss_mask` (BoolTensor[seq_len]) and masks the labels: a label is -100
+    where its target token is not trained (with `labels="same"`: where the input token itself is
+    not), and `loss_mask == (labels != -100)`. Items of other caches are unchanged.
     A finished cache too short for one sample (fewer than seq_len + 1 tokens) is a ValueError
     here; a cache still being built may be that short at first.
 
@@ -220,6 +286,7 @@ class TokenDataset(GrowingDataset):
         max_segments = optional_int_arg(max_segments, "max_segments", 1, self.seq_len)
         self.max_segments = self.seq_len if max_segments is None else max_segments
         self.cache = open_cache(cache)
+        self._loss_mask = self.cache.has_loss_mask
         self._require_one_sample()
 
     def _require_one_sample(self) -> None:
@@ -251,7 +318,7 @@ class TokenDataset(GrowingDataset):
         >>> ds.item_signature  # doctest: +SKIP
         'token windows of seq_len=2048 (input_ids, labels)'
         """
-        keys = "input_ids, labels"
+        keys = "input_ids, labels" + (", loss_mask" if self._loss_mask else "")
         if self.document_boundaries:
             keys += f", position_ids, cu_seqlens[{self.max_segments + 1}], num_segments"
         return f"token windows of seq_len={self.seq_len} ({keys})"
@@ -293,6 +360,21 @@ class TokenDataset(GrowingDataset):
         """The windows of checked sample positions ``idx``."""
         return self.cache.read_many(idx * self.seq_len, self.seq_len + 1)
 
+    def read_loss_masks(self, indices: Sequence[int]) -> np.ndarray:
+        """Which labels of samples ``indices`` are trained, (len(indices), seq_len) bool: the
+        flags of the target tokens ``[i * seq_len + 1, (i + 1) * seq_len + 1)`` (of the input
+        tokens with ``labels="same"``); all True in a cache without a loss mask.
+
+        >>> ds.read_loss_masks([0]).mean()  # doctest: +SKIP
+        0.41
+        """
+        return self._masks(self._check(indices))
+
+    def _masks(self, idx: np.ndarray) -> np.ndarray:
+        """The label masks of checked sample positions ``idx``."""
+        shift = 1 if self.labels == "shifted" else 0
+        return self.cache.loss_masks(idx * self.seq_len + shift, self.seq_len)
+
     def __getitem__(self, index: int) -> dict[str, torch.Tensor]:
         return self.__getitems__([self._check_index(index)])[0]
 
@@ -321,17 +403,32 @@ class TokenDataset(GrowingDataset):
         """
         if self.document_boundaries:
             return self.expand_batch(self.compact_batch(indices))
-        return self.batch_from_windows(self._read(self._check(indices)))  # the hot path
+        idx = self._check(indices)
+        masks = self._masks(idx) if self._loss_mask else None
+        return self.batch_from_windows(self._read(idx), masks)  # the hot path
 
-    def batch_from_windows(self, windows: np.ndarray) -> dict[str, torch.Tensor]:
+    def batch_from_windows(self, windows: np.ndarray,
+                           masks: np.ndarray | None = None) -> dict[str, torch.Tensor]:
         """Windows (n, seq_len + 1) in the cache's dtype (:meth:`read_windows`) as the batch:
-        int64 ``input_ids`` and ``labels`` (see "What a batch holds" in the README)."""
-        inputs, targets = windows[:, :-1], (windows[:, 1:] if self.labels == "shifted" else None)
+        int64 ``input_ids`` and ``labels`` (see "What a batch holds" in the README); for a
+        dataset with :attr:`has_loss_mask`, also ``loss_mask``, from ``masks`` (n, seq_len)
+        (:meth:`read_loss_masks` of the same samples; required when the cache has a mask)."""
+        inputs = windows[:, :-1]
         input_ids = torch.from_numpy(inputs.astype(np.int64))
-        if targets is None:
+        if not self._loss_mask:
+            if self.labels == "shifted":
+                return {"input_ids": input_ids, "labels": torch.from_numpy(windows[:, 1:].astype(np.int64))}
             return {"input_ids": input_ids, "labels": input_ids.clone()}
-        labels = torch.from_numpy(targets.astype(np.int64))
-        return {"input_ids": input_ids, "labels": labels}
+        if masks is None:
+            if self.cache.has_loss_mask:
+                raise ValueError("masks is required: the cache has a loss mask; pass "
+                                 "ds.read_loss_masks(indices) of the same samples as the windows")
+            masks = np.ones(inputs.shape, dtype=bool)
+        elif masks.shape != inputs.shape:
+            raise ValueError(f"masks must have shape {inputs.shape} (one flag per label), got "
+                             f"{masks.shape}")
+        targets = windows[:, 1:] if self.labels == "shifted" else inputs
+        return {"input_ids": input_ids, **masked_labels(targets, masks)}
 
     @property
     def compact_format(self) -> tuple[Any, ...]:
@@ -340,7 +437,7 @@ class TokenDataset(GrowingDataset):
         windows into one array and expands the batch once (see
         :meth:`torchcache.MixtureDataset.get_batch`)."""
         return ("token windows", str(self.cache.dtype), self.seq_len, self.labels,
-                self.document_boundaries, self.max_segments)
+                self.document_boundaries, self.max_segments) + (("loss_mask",) if self._loss_mask else ())
 
     def compact_batch(self, indices: Sequence[int]) -> dict[str, torch.Tensor]:
         """The batch as its token windows in the cache's dtype (2 or 4 bytes a token).
@@ -353,6 +450,8 @@ class TokenDataset(GrowingDataset):
         """
         idx = self._check(indices)
         windows = self._read(idx)
+        if self._loss_mask:  # the mask's bits ride at the end of each row: one tensor to send
+            windows = _append_bits(windows, self._masks(idx))
         signed = np.int16 if windows.dtype.itemsize == 2 else np.int32  # torch-friendly view
         batch = {_WINDOWS: torch.from_numpy(windows.view(signed))}
         if self.document_boundaries:
@@ -377,7 +476,10 @@ class TokenDataset(GrowingDataset):
                             f"{type(compact).__name__}")
         compact = dict(compact)
         windows = compact.pop(_WINDOWS).numpy().view(self.cache.dtype)
-        return {**self.batch_from_windows(windows), **compact}
+        masks = None
+        if self._loss_mask:
+            windows, masks = _split_bits(windows, self.seq_len + 1, self.seq_len)
+        return {**self.batch_from_windows(windows, masks), **compact}
 
     def _boundaries(self, sample: int) -> tuple[np.ndarray, np.ndarray, int]:
         """(position_ids, cu_seqlens, num_segments) of one sample."""
@@ -404,6 +506,11 @@ class DocumentDataset(GrowingDataset):
     matrix and an attention mask) or :func:`torchcache.packed_collate` (one flat sequence with
     ``cu_seqlens``, for variable-length attention).
 
+    In a cache with a loss mask (``cache.has_loss_mask``) an item is a dict instead:
+    ``input_ids`` (LongTensor[n]), ``labels`` (LongTensor[n]: the next token of the document
+    where that token is trained, else -100; the last one always -100) and ``loss_mask``
+    (BoolTensor[n], ``labels != -100``), as :class:`TokenDataset` labels its windows.
+
     >>> docs = tc.DocumentDataset("runs/quickstart/cache")  # doctest: +SKIP
     >>> cache.decode(docs[0][:8])  # doctest: +SKIP
     'The Project Gutenberg eBook of Pride and'
@@ -412,6 +519,7 @@ class DocumentDataset(GrowingDataset):
 
     def __init__(self, cache: TokenCache | str | os.PathLike):
         self.cache = open_cache(cache)
+        self._loss_mask = self.cache.has_loss_mask
 
     @property
     def fingerprint(self) -> str:
@@ -421,21 +529,38 @@ class DocumentDataset(GrowingDataset):
     @property
     def item_signature(self) -> str:
         """The shape of an item (see :attr:`TokenDataset.item_signature`)."""
+        if self._loss_mask:
+            return "whole documents (dicts of input_ids, labels, loss_mask; variable length)"
         return "whole documents (one variable-length LongTensor each)"
 
     def __len__(self) -> int:
         return self.cache.num_documents
 
-    def __getitem__(self, index: int) -> torch.Tensor:
+    def __getitem__(self, index: int) -> Any:
+        if self._loss_mask:
+            return self.__getitems__([self._check_index(index)])[0]
         return torch.from_numpy(self.cache.document(self._check_index(index)))
 
-    def __getitems__(self, indices: Sequence[int]) -> list[torch.Tensor]:
+    def __getitems__(self, indices: Sequence[int]) -> list[Any]:
         """Documents ``indices``, read in one gather and widened to int64 once."""
         spans = np.array([self.cache.document_span(i) for i in self._check(indices).tolist()],
                          dtype=np.int64).reshape(-1, 2)
         lengths = spans[:, 1] - spans[:, 0]
         tokens = torch.from_numpy(self.cache.read_ranges(spans[:, 0], lengths).astype(np.int64))
-        return list(torch.split(tokens, lengths.tolist()))
+        documents = list(torch.split(tokens, lengths.tolist()))
+        if not self._loss_mask:
+            return documents
+        return [self._labelled(doc, start) for doc, start in zip(documents, spans[:, 0].tolist())]
+
+    def _labelled(self, doc: torch.Tensor, start: int) -> dict[str, torch.Tensor]:
+        """Document ``doc`` (its first token at ``start``) with next-token labels and loss mask."""
+        n = len(doc)
+        trained = np.zeros(n, dtype=bool)
+        if n > 1:
+            trained[:-1] = self.cache.loss_mask(start + 1, start + n)
+        targets = np.zeros(n, dtype=np.int64)
+        targets[:-1] = doc.numpy()[1:]
+        return {"input_ids": doc, **masked_labels(targets, trained)}
 
     def __repr__(self) -> str:
         return f"DocumentDataset({self.cache!r}, {len(self):,} documents)"

@@ -88,6 +88,34 @@ def _refuse_mixed_tokenizers(identities: Mapping[str, str]) -> None:
         "pass allow_mixed_tokenizers=True if the model really takes both")
 
 
+def _refuse_mixed_templates(templates: Mapping[str, str]) -> None:
+    """ValueError if the sources' chat caches were rendered with different chat templates."""
+    pair = _disagreement(templates)
+    if pair is None:
+        return
+    a, b = pair
+    raise ValueError(
+        f"sources {a!r} and {b!r} were rendered with different chat templates ({a}: "
+        f"{_excerpt(templates[a])}; {b}: {_excerpt(templates[b])}): the model would learn two "
+        "conversation formats at once. Build both with the same chat_template, or pass "
+        "allow_mixed_templates=True if that is what you want")
+
+
+def _excerpt(text: str, width: int = 60) -> str:
+    """The start of ``text`` on one line, for error messages."""
+    line = " ".join(text.split())
+    return repr(line if len(line) <= width else line[:width] + "...")
+
+
+def _with_loss_masks(datasets: dict[str, Any]) -> dict[str, Any]:
+    """``datasets``, each (that can) carrying ``loss_mask`` if any one of them does, so that
+    every batch has the same keys; unchanged when none has a mask."""
+    if not any(getattr(ds, "has_loss_mask", False) for ds in datasets.values()):
+        return datasets
+    return {name: ds.with_loss_mask() if callable(getattr(ds, "with_loss_mask", None)) else ds
+            for name, ds in datasets.items()}
+
+
 def _refuse_mixed_items(signatures: Mapping[str, str]) -> None:
     """ValueError if the sources' items have different keys or shapes."""
     pair = _disagreement(signatures)
@@ -138,11 +166,18 @@ class MixtureDataset(Dataset):
             name -> number) in the first ``total_samples`` mixture samples.
         total_samples: how many mixture samples the run will read in all (needed by
             ``max_epochs_per_source``; see also :meth:`source_epochs`).
+        allow_mixed_templates: accept chat caches rendered with different chat templates
+            (their ``cache.chat_template``, where both have one). Refused by default.
         allow_mixed_items: accept sources whose items differ in keys or shapes (their
             ``item_signature``: e.g. TokenDatasets with different ``seq_len``, or a
             TokenDataset with a DocumentDataset); the DataLoader then needs a ``collate_fn``
             that handles both. Sources without these attributes (plain torch datasets) are
             not checked.
+
+    Loss masks: when a source carries ``loss_mask`` (a chat or instruction cache), every source
+    that can (the datasets of this package) is read through its ``with_loss_mask()`` copy, so
+    all batches hold ``labels`` and ``loss_mask`` (all True for a source without a mask);
+    :attr:`datasets` holds those copies.
 
     Length: mixture indices are unbounded: ``mix[i]`` is defined for every ``i >= 0`` (sources
     that run out start a new, differently permuted pass), and the class sets
@@ -179,6 +214,7 @@ class MixtureDataset(Dataset):
         num_samples: int | None = None,
         allow_mixed_tokenizers: bool = False,
         allow_mixed_items: bool = False,
+        allow_mixed_templates: bool = False,
         max_epochs_per_source: Any = None,
         total_samples: int | None = None,
     ) -> None:
@@ -196,7 +232,7 @@ class MixtureDataset(Dataset):
                 raise ValueError(
                     f"source {name!r} is a cache still being built; a mixture needs fixed source "
                     "lengths (they define each source's permutations): wait for its build to finish")
-        self.datasets: dict[str, Any] = dict(datasets)
+        self.datasets: dict[str, Any] = _with_loss_masks(dict(datasets))
         self.names: tuple[str, ...] = tuple(self.datasets)
         self._datasets = tuple(self.datasets.values())
         lengths = {n: int_arg(len(ds), f"len(datasets[{n!r}])", 0) for n, ds in self.datasets.items()}
@@ -205,6 +241,8 @@ class MixtureDataset(Dataset):
         self.num_samples = optional_int_arg(num_samples, "num_samples", 1, POSITION_LIMIT)
         self._check_sources_agree(bool_arg(allow_mixed_tokenizers, "allow_mixed_tokenizers"),
                                   bool_arg(allow_mixed_items, "allow_mixed_items"))
+        if not bool_arg(allow_mixed_templates, "allow_mixed_templates"):
+            _refuse_mixed_templates(self._chat_templates())
         #: Which source and which of its samples each index reads (pure, immutable).
         self.schedule = MixtureSchedule(lengths, weights, schedule=schedule, seed=seed,
                                         block_size=block_size)
@@ -237,6 +275,20 @@ class MixtureDataset(Dataset):
             _refuse_mixed_items(signatures)
         self.tokenizer_identity = _shared(identities)
         self.item_signature = _shared(signatures)
+
+    def _chat_templates(self) -> dict[str, str]:
+        """Each source's chat template, for the sources over a cache that has one."""
+        templates = {}
+        for name, ds in self.datasets.items():
+            template = getattr(getattr(ds, "cache", None), "chat_template", None)
+            if template is not None:
+                templates[name] = str(template)
+        return templates
+
+    @property
+    def has_loss_mask(self) -> bool:
+        """True when the batches carry ``loss_mask`` (some source has a loss mask)."""
+        return any(getattr(ds, "has_loss_mask", False) for ds in self._datasets)
 
     def _source_values(self, attribute: str) -> dict[str, str]:
         """Each source's ``attribute``, for the sources that have one (not None)."""
@@ -514,6 +566,8 @@ class MixtureDataset(Dataset):
         document boundaries: then a batch is their windows read into one array by one
         :func:`gather_rows` call and widened once by the first source."""
         first = self._datasets[0]
+        if getattr(first, "has_loss_mask", False):  # masks come per source: see _shared_expander
+            return None
         for ds in self._datasets:
             if not (isinstance(ds, TokenDataset) and type(ds).get_batch is TokenDataset.get_batch
                     and batched_reader(ds) is not None and not ds.document_boundaries

@@ -48,7 +48,7 @@ import torch
 
 from .._util.args import POSITION_LIMIT, choice_arg, int_arg, optional_int_arg, unsigned_max
 from .collate import IGNORE_INDEX
-from .dataset import GrowingDataset, open_cache
+from .dataset import GrowingDataset, masked_labels, open_cache, pack_masks, unpack_masks
 from ..read.pack_plan import PackPlan, plan_identity
 from ..order.packing import LONG_DOCS
 from ..read.cache import TokenCache
@@ -57,6 +57,7 @@ __all__ = ["PackedDataset"]
 
 _TOKENS = "__torchcache_packed_tokens__"  # a compact batch's tokens, [rows, seq_len + 1]
 _CONTINUES = "__torchcache_packed_continues__"  # the row's last token has a next token (split piece)
+_MASKS = "__torchcache_packed_loss_mask__"  # a compact batch's label masks, bit-packed per row
 _NO_ROWS = np.empty(0, dtype=np.int64)
 
 
@@ -66,6 +67,30 @@ def _columns(seq_len: int) -> np.ndarray:
     columns = np.arange(seq_len)
     columns.flags.writeable = False
     return columns
+
+
+def read_mask_ranges(cache: TokenCache, starts: np.ndarray, lengths: np.ndarray, out: np.ndarray,
+                     offsets: np.ndarray) -> None:
+    """Set ``out.reshape(-1)[offsets[k]:offsets[k] + lengths[k]]`` to the trained flags of tokens
+    ``[starts[k], starts[k] + lengths[k])``: the mask twin of ``cache.read_ranges``. Ranges are
+    read in groups of similar length (powers of two), one vectorised ``loss_masks`` call each."""
+    flat = out.reshape(-1)
+    keep = lengths > 0
+    starts, lengths, offsets = starts[keep], lengths[keep], offsets[keep]
+    if not len(starts):
+        return
+    widths = np.left_shift(1, np.ceil(np.log2(lengths)).astype(np.int64))
+    for width in np.unique(widths).tolist():
+        k = np.flatnonzero(widths == width)
+        n = lengths[k]
+        w = int(n.max())  # <= num_tokens, as every range lies in the cache
+        read_from = np.minimum(starts[k], cache.num_tokens - w)  # no read past the end
+        masks = cache.loss_masks(read_from, w)
+        columns = (starts[k] - read_from)[:, None] + np.arange(w)
+        inside = np.arange(w) < n[:, None]
+        values = np.take_along_axis(masks, np.minimum(columns, w - 1), axis=1)[inside]
+        at = np.repeat(offsets[k] - (np.cumsum(n) - n), n) + np.arange(int(n.sum()))
+        flat[at] = values
 
 
 def _restarts(cu: np.ndarray, seq_len: int) -> np.ndarray:
@@ -85,7 +110,9 @@ class PackedDataset(GrowingDataset):
       at the padding, which counts as one more segment);
     - ``cu_seqlens`` (IntTensor[max_segments + 1]): where each document starts in the row, then
       where the last one ends; entries past ``num_segments`` are ``seq_len``;
-    - ``num_segments`` (a 0-d LongTensor): how many documents the row holds.
+    - ``num_segments`` (a 0-d LongTensor): how many documents the row holds;
+    - ``loss_mask`` (BoolTensor[seq_len], ``labels != -100``), only for a cache with a loss mask
+      (``cache.has_loss_mask``): there a label is also -100 where its target token is not trained.
 
     Documents are packed best fit decreasing within each block of the cache (they never move
     between blocks), so the plan extends as a growing cache commits blocks. The plan is a pure
@@ -100,7 +127,9 @@ class PackedDataset(GrowingDataset):
         long_docs: ``"split"`` cuts a document longer than ``seq_len`` into pieces of
             ``seq_len`` tokens (each a row of its own, whose last label is the document's next
             token) and packs the rest like a document; ``"drop"`` leaves such documents out
-            (counted in :attr:`dropped_documents`).
+            (counted in :attr:`dropped_documents`); ``"truncate"`` keeps a long document's first
+            ``seq_len`` tokens, one row of its own whose last label is the document's next
+            token (counted in :attr:`truncated_documents` and :attr:`truncated_tokens`).
         max_segments: at most this many documents per row (variable-length attention kernels
             need a cap); default ``seq_len``. ``cu_seqlens`` has ``max_segments + 1`` entries.
         pad_id: the id padding tokens get (default the cache's EOS id). Padding never has a label.
@@ -127,6 +156,7 @@ class PackedDataset(GrowingDataset):
         self.seed = int_arg(seed, "seed", minimum=0, maximum=2 ** 63 - 1)
         workers = int_arg(workers, "workers", minimum=1, maximum=1024)
         self.cache = open_cache(cache)
+        self._loss_mask = self.cache.has_loss_mask
         if pad_id is None:
             pad_id = self.cache.eos_id
             if pad_id is None:
@@ -151,7 +181,8 @@ class PackedDataset(GrowingDataset):
     @property
     def item_signature(self) -> str:
         """The keys and shapes of a row (see :attr:`torchcache.TokenDataset.item_signature`)."""
-        return (f"packed rows of seq_len={self.seq_len} (input_ids, labels, position_ids, "
+        mask = ", loss_mask" if self._loss_mask else ""
+        return (f"packed rows of seq_len={self.seq_len} (input_ids, labels{mask}, position_ids, "
                 f"cu_seqlens[{self.max_segments + 1}], num_segments)")
 
     @property
@@ -159,7 +190,8 @@ class PackedDataset(GrowingDataset):
         """What :meth:`expand_batch` depends on: PackedDatasets of equal ``compact_format``
         expand each other's compact batches (one row per sample) alike, so a mixture of them
         expands its batch's rows once (see :meth:`torchcache.MixtureDataset.get_batch`)."""
-        return ("packed rows", str(self.cache.dtype), self.seq_len, self.max_segments, self.pad_id)
+        return (("packed rows", str(self.cache.dtype), self.seq_len, self.max_segments, self.pad_id)
+                + (("loss_mask",) if self._loss_mask else ()))
 
     def __len__(self) -> int:
         return self.plan.rows
@@ -176,7 +208,8 @@ class PackedDataset(GrowingDataset):
 
     def stats(self) -> dict[str, Any]:
         """``rows``, ``blocks`` planned, ``padding`` tokens, ``padding_fraction``,
-        ``split_documents``, ``dropped_documents`` and ``dropped_tokens``.
+        ``split_documents``, ``dropped_documents``, ``dropped_tokens``, ``truncated_documents``
+        and ``truncated_tokens``.
 
         >>> ds.stats()["split_documents"]  # doctest: +SKIP
         13
@@ -192,6 +225,16 @@ class PackedDataset(GrowingDataset):
     def dropped_documents(self) -> int:
         """Documents longer than seq_len left out (``long_docs="drop"``)."""
         return self.plan.totals()["dropped_documents"]
+
+    @property
+    def truncated_documents(self) -> int:
+        """Documents longer than seq_len cut to their first seq_len tokens (``long_docs="truncate"``)."""
+        return self.plan.totals()["truncated_documents"]
+
+    @property
+    def truncated_tokens(self) -> int:
+        """Tokens cut off the end of those documents (``long_docs="truncate"``)."""
+        return self.plan.totals()["truncated_tokens"]
 
     @property
     def split_documents(self) -> int:
@@ -229,19 +272,22 @@ class PackedDataset(GrowingDataset):
         One gather of all the rows' document ranges, then a few whole-batch numpy operations
         for the labels and positions (nothing per row or per document in Python).
         """
-        tokens, cu, num_segments, continues, stops, restarts = self._read_rows(self._check(indices))
-        return self._training_batch(tokens, cu, num_segments, stops, restarts)
+        tokens, cu, num_segments, continues, stops, restarts, masks = self._read_rows(self._check(indices))
+        return self._training_batch(tokens, cu, num_segments, stops, restarts, masks)
 
     def compact_batch(self, indices: Sequence[int]) -> dict[str, torch.Tensor]:
         """The rows as stored tokens in the cache's dtype plus their segment table: what a
         DataLoader worker sends (4-8x less than the int64 batch); :meth:`expand_batch` widens it.
         """
-        tokens, cu, num_segments, continues, _, _ = self._read_rows(self._check(indices))
+        tokens, cu, num_segments, continues, _, _, masks = self._read_rows(self._check(indices))
         signed = np.int16 if tokens.dtype.itemsize == 2 else np.int32
-        return {_TOKENS: torch.from_numpy(tokens.view(signed)),
-                _CONTINUES: torch.from_numpy(continues),
-                "cu_seqlens": torch.from_numpy(cu),
-                "num_segments": torch.from_numpy(num_segments)}
+        compact = {_TOKENS: torch.from_numpy(tokens.view(signed)),
+                   _CONTINUES: torch.from_numpy(continues),
+                   "cu_seqlens": torch.from_numpy(cu),
+                   "num_segments": torch.from_numpy(num_segments)}
+        if masks is not None:
+            compact[_MASKS] = pack_masks(masks)
+        return compact
 
     def expand_batch(self, compact: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """A :meth:`compact_batch` as the training batch (int64 ids, labels and positions)."""
@@ -258,16 +304,21 @@ class PackedDataset(GrowingDataset):
         document_ends = ((np.arange(most) < num_segments[:, None])
                          & ~(compact[_CONTINUES].numpy()[:, None] & (ends == C)))
         ends += np.arange(0, len(cu) * C, C)[:, None]
-        return self._training_batch(tokens, cu, num_segments, ends[document_ends], _restarts(cu, C))
+        masks = compact.get(_MASKS)
+        masks = None if masks is None else unpack_masks(masks, C)
+        return self._training_batch(tokens, cu, num_segments, ends[document_ends], _restarts(cu, C),
+                                    masks)
 
     def _read_rows(self, idx: np.ndarray) -> tuple[np.ndarray, ...]:
-        """``(tokens, cu_seqlens, num_segments, continues, stops, restarts)`` of checked rows ``idx``.
+        """``(tokens, cu_seqlens, num_segments, continues, stops, restarts, masks)`` of checked rows ``idx``.
 
         ``tokens`` (rows, seq_len + 1) holds each row's documents back to back (zeros after
         them), read in one gather; a split piece fills its row, and its document's next token
         goes in the extra last column (``continues`` marks those rows). ``stops``: where each
         piece that ends its document ends, as a position in the flat (rows, seq_len) batch.
         ``restarts``: the rows where something (a piece, or padding) follows the first piece.
+        ``masks`` (rows, seq_len): whether each label's target token is trained (meaningful where
+        the label is a next token of the same document), or None without :attr:`has_loss_mask`.
         """
         n, C = len(idx), self.seq_len
         cu = np.full((n, self.max_segments + 1), C, dtype=np.int32)
@@ -279,7 +330,9 @@ class PackedDataset(GrowingDataset):
             tokens = self.cache.read_many(starts, C + 1)
             ends = (~piece_continues).nonzero()[0]  # rows whose piece ends its document
             tokens[ends, C] = 0  # nothing follows it
-            return tokens, cu, np.ones(n, dtype=np.int64), piece_continues, (ends + 1) * C, _NO_ROWS
+            masks = self.cache.loss_masks(starts + 1, C) if self._loss_mask else None
+            return (tokens, cu, np.ones(n, dtype=np.int64), piece_continues, (ends + 1) * C, _NO_ROWS,
+                    masks)
         segments = self.plan.segments(idx)
         row, length, count, piece_continues = segments.row, segments.length, segments.count, segments.continues
         if len(length) == n:  # one piece in every row (a plan has no empty row): most rows of books
@@ -291,6 +344,7 @@ class PackedDataset(GrowingDataset):
             cu[:, 1] = length
             continues = piece_continues
             stops = np.arange(0, n * C, C) + length
+            at = np.arange(0, n * C, C)
         else:
             tokens = np.zeros((n, C + 1), dtype=self.cache.dtype)
             first = np.cumsum(count) - count  # each row's first piece
@@ -302,14 +356,21 @@ class PackedDataset(GrowingDataset):
             continues = np.zeros(n, dtype=bool)
             continues[row[piece_continues]] = True
             stops = row * C + end
+            at = row * C + end - length
+        masks = None
+        if self._loss_mask:  # label j of a piece: is token j + 1 of it (or the one after) trained
+            masks = np.zeros((n, C), dtype=bool)
+            read_mask_ranges(self.cache, segments.start + 1, length - 1 + piece_continues, masks, at)
         return (tokens, cu, count.astype(np.int64, copy=False), continues, stops[~piece_continues],
-                _restarts(cu, C))
+                _restarts(cu, C), masks)
 
     def _training_batch(self, tokens: np.ndarray, cu: np.ndarray, num_segments: np.ndarray,
-                        stops: np.ndarray, restarts: np.ndarray) -> dict[str, torch.Tensor]:
+                        stops: np.ndarray, restarts: np.ndarray,
+                        masks: np.ndarray | None = None) -> dict[str, torch.Tensor]:
         """The int64 batch of rows read by :meth:`_read_rows`: ids (padding set to ``pad_id``),
-        labels (the next token inside a document, else -100) and positions (restarting at
-        every document and at the padding)."""
+        labels (the next token inside a document, else -100; also -100 where ``masks`` says
+        the target is not trained) and positions (restarting at every document and at the
+        padding); with ``masks``, ``loss_mask`` too."""
         n, C = tokens.shape[0], self.seq_len
         input_ids = tokens[:, :C].astype(np.int64)
         labels = tokens[:, 1:].astype(np.int64)
@@ -343,7 +404,9 @@ class PackedDataset(GrowingDataset):
             within = np.arange(restarts.size * C)
             within -= starts.reshape(-1).repeat((bounds[:, 1:] - bounds[:, :-1]).reshape(-1))
             position_ids[restarts] = within.reshape(-1, C)
-        return {"input_ids": torch.from_numpy(input_ids), "labels": torch.from_numpy(labels),
+        if self._loss_mask and masks is None:  # with_loss_mask() of a cache without a mask
+            masks = np.ones((n, C), dtype=bool)
+        return {"input_ids": torch.from_numpy(input_ids), **masked_labels(labels, masks),
                 "position_ids": torch.from_numpy(position_ids),
                 "cu_seqlens": torch.from_numpy(cu), "num_segments": torch.from_numpy(num_segments)}
 

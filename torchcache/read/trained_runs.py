@@ -1,0 +1,92 @@
+"""The trained runs of a cache's blocks in one table, so that the loss masks of many token ranges
+come from a few vectorized steps, whatever blocks the ranges fall in.
+
+Format v3 stores each block's trained tokens as runs (start, length), block-relative. A reader
+keeps the runs of the blocks it has read, in global token positions, in one table sorted by
+position: a range's runs are then found by one binary search over all blocks together, and the
+masks of a whole batch are made by one `np.repeat` of alternating False/True segments.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import numpy as np
+
+MAX_RUNS = 1 << 24  # runs kept per process (16 bytes each): past it, the table starts again
+
+
+class TrainedRuns:
+    """The trained runs of the blocks loaded so far (process-local; pickles empty)."""
+
+    def __init__(self) -> None:
+        self.starts = np.empty(0, dtype=np.int64)  # global positions, sorted
+        self.ends = np.empty(0, dtype=np.int64)
+        self.loaded = np.zeros(0, dtype=bool)  # per block
+        self._alternating = np.zeros(0, dtype=bool)  # False, True, False, ...
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__init__()
+
+    def masks(self, starts: np.ndarray, length: int, token_starts: np.ndarray,
+              load: Callable[[int], np.ndarray]) -> np.ndarray:
+        """Trained flags of the global ranges [s, s + length), one row each ((rows, length) bool).
+
+        token_starts: where each block starts (and the total, last); load(b): block b's runs as
+        an (n, 2) array of block-relative (start, length), sorted and apart.
+        """
+        rows = len(starts)
+        if not rows or length <= 0:
+            return np.zeros((rows, max(length, 0)), dtype=bool)
+        ends = starts + length
+        # (numpy methods, not functions: a batch is a few dozen calls, their overhead counts)
+        blocks = token_starts.searchsorted(np.concatenate((starts, ends - 1)), "right") - 1
+        first_block, last_block = blocks[:rows], blocks[rows:]
+        loaded = self.loaded
+        if len(loaded) < len(token_starts) - 1 or not loaded[blocks].all() or \
+                (last_block - first_block).max() > 1:
+            self._load_blocks(first_block, last_block, token_starts, load)
+        first = self.ends.searchsorted(starts, "right")
+        counts = self.starts.searchsorted(ends, "left") - first
+        total = int(counts.sum())
+        if not total:
+            return np.zeros((rows, length), dtype=bool)
+        owner = np.arange(rows).repeat(counts)
+        which = (first - counts.cumsum() + counts).repeat(counts) + np.arange(total)
+        row_start = starts[owner]
+        shift = owner * length - row_start  # global position -> position in the flat output
+        bounds = np.empty(2 * total + 2, dtype=np.int64)
+        bounds[0], bounds[-1] = 0, rows * length
+        bounds[1:-1:2] = np.maximum(self.starts[which], row_start) + shift  # (runs overlap the range)
+        bounds[2:-1:2] = np.minimum(self.ends[which], row_start + length) + shift
+        if len(self._alternating) < 2 * total + 1:
+            self._alternating = np.arange(4 * total + 2) % 2 == 1  # untrained, trained, ...
+        return self._alternating[:2 * total + 1].repeat(bounds[1:] - bounds[:-1]).reshape(rows, length)
+
+    def _load_blocks(self, first: np.ndarray, last: np.ndarray, token_starts: np.ndarray,
+                     load: Callable[[int], np.ndarray]) -> None:
+        """Add the runs of every block the ranges (from block `first` to `last`) touch that the
+        table does not hold yet."""
+        n_blocks = len(token_starts) - 1
+        if len(self.loaded) < n_blocks:  # the cache grew
+            self.loaded = np.concatenate([self.loaded, np.zeros(n_blocks - len(self.loaded), bool)])
+        needed = np.union1d(first, last)
+        for r in np.flatnonzero(last - first > 1):  # a range over more than two blocks
+            needed = np.union1d(needed, np.arange(first[r], last[r] + 1))
+        missing = needed[~self.loaded[needed]].tolist()
+        if not missing:
+            return
+        added = [(b, load(b)) for b in missing]
+        if len(self.starts) + sum(len(runs) for _, runs in added) > MAX_RUNS:  # start again, with
+            kept = needed[self.loaded[needed]].tolist()                        # what this needs
+            self.__init__()
+            self.loaded = np.zeros(n_blocks, dtype=bool)
+            added += [(b, load(b)) for b in kept]
+        for b, runs in added:
+            at = int(np.searchsorted(self.starts, token_starts[b]))
+            self.starts = np.insert(self.starts, at, runs[:, 0] + token_starts[b])
+            self.ends = np.insert(self.ends, at, runs[:, 0] + runs[:, 1] + token_starts[b])
+            self.loaded[b] = True
