@@ -84,6 +84,29 @@ def test_a_chat_build_stores_the_oracle_masks(tmp_path, chat_tokenizer, conversa
         assert 0 < cache.loss_mask(0, cache.num_tokens).mean() <= 1
 
 
+def test_a_tokenizer_with_a_normalizer_masks_by_its_offsets(tmp_path, chat_tokenizer, conversations):
+    """NFC changes lengths, so token bytes cannot be summed: the tokenizer's own character
+    offsets decide, and the masks still equal the oracle's (unicode content included)."""
+    from tokenizers import normalizers
+    from torchcache.build.tokenizing import token_byte_lengths
+    _, plain = chat_tokenizer
+    tok = Tokenizer.from_str(plain.to_str())
+    tok.normalizer = normalizers.NFC()
+    assert token_byte_lengths(tok) is None and token_byte_lengths(plain) is not None
+    path = tmp_path / "nfc.json"
+    tok.save(str(path))
+    eos = tok.token_to_id("<|endoftext|>")
+    source = write_records(tmp_path / "c.jsonl", [{"messages": m} for m in conversations[:80]])
+    tc.build_cache(source, tmp_path / "nfc", str(path), input_format="messages",
+                   chat_template=variant(CHATML, tags=True), progress=False)
+    cache = tc.TokenCache(tmp_path / "nfc")
+    for messages, (ids, mask) in zip(conversations[:80], stored(cache), strict=True):
+        text, spans = expected(chatml_pieces(messages), "assistant")
+        want_ids, want_mask = oracle(tok, text, spans, eos)
+        np.testing.assert_array_equal(ids, want_ids)
+        np.testing.assert_array_equal(mask, want_mask)
+
+
 def _round_robin(cache: tc.TokenCache) -> list[tuple[int, int]]:
     """(record index, input) of each document, from the provenance the cache keeps."""
     out = []

@@ -9,9 +9,11 @@ identical, and the builder's peak RSS (whole process tree) on the full corpus an
 
 With --chat (a corpus of tools/make_chat_corpus.py): a chat build (input_format="messages", a
 ChatML template, the tokenizer with its markers added) against a text build of the same rendered
-text, in the same run: tokens/s of each and their ratio, whether the ids are identical, the bytes
-of the loss mask (and of the whole documents sidecars) against the token bytes, and reading
-(TokenDataset batches, shuffled) with the mask against reading the text cache without one.
+text, in the same run (two rounds, each order once; the mean time of each): tokens/s of each and
+their ratio, whether the ids are identical, the bytes of the loss mask (and of the whole documents
+sidecars) against the token bytes, and reading (tc.DataLoader over TokenDataset(cache, 2048),
+shuffled batches of 16, in-process and with 2 workers) with the mask against reading the text
+cache without one.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ import argparse
 import glob
 import json
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -102,7 +105,6 @@ def timed_build(inputs: list[str], out: str, tokenizer: str, workers: int | None
 
 def chat_comparison(chat_dir: str, tokenizer: str, workers: int | None) -> None:
     """A chat build against a text build of the same rendered text; mask storage; masked reads."""
-    import torch
     import torchcache as tc
     from torchcache.build.chat import ChatTemplate, normalize_messages
     shards = sorted(glob.glob(os.path.join(chat_dir, "*.jsonl")))
@@ -123,43 +125,62 @@ def chat_comparison(chat_dir: str, tokenizer: str, workers: int | None) -> None:
                     out.write(json.dumps({"text": text}) + "\n")
             rendered.append(path)
         chat, text = os.path.join(tmp, "chat"), os.path.join(tmp, "text")
-        text_s = timed_build(rendered, text, tok_path, workers, special_tokens_as_text=False)
-        chat_s = timed_build(shards, chat, tok_path, workers, input_format="messages",
-                             chat_template=CHATML)
+        text_s = chat_s = 0.0
+        for first in ("text", "chat"):  # two rounds, each order once (the machine is noisy)
+            for out in (chat, text):
+                shutil.rmtree(out, ignore_errors=True)
+            for kind in (first, "chat" if first == "text" else "text"):
+                if kind == "text":
+                    text_s += timed_build(rendered, text, tok_path, workers,
+                                          special_tokens_as_text=False) / 2
+                else:
+                    chat_s += timed_build(shards, chat, tok_path, workers, input_format="messages",
+                                          chat_template=CHATML) / 2
         chat_cache, text_cache = tc.TokenCache(chat), tc.TokenCache(text)
         n = chat_cache.num_tokens
-        same = n == text_cache.num_tokens and bool(np.array_equal(chat_cache.read(0, n), text_cache.read(0, n)))
-        print(f"text build of the rendered text: {n:,} tokens in {text_s:.1f} s = {n / text_s / 1e6:.3f} M tokens/s")
-        print(f"chat build (messages, ChatML):   {n:,} tokens in {chat_s:.1f} s = {n / chat_s / 1e6:.3f} M tokens/s")
+        same = n == text_cache.num_tokens and bool(np.array_equal(chat_cache.read(0, n),
+                                                                   text_cache.read(0, n)))
+        for what, seconds in (("text build of the rendered text", text_s),
+                              ("chat build (messages, ChatML)  ", chat_s)):
+            print(f"{what}: {n:,} tokens in {seconds:.1f} s = {n / seconds / 1e6:.3f} M tokens/s")
         print(f"ids identical: {same}; trained fraction {chat_cache.loss_mask(0, n).mean():.3f}")
-        token_bytes = sum(os.path.getsize(os.path.join(chat, "blocks", f)) for f in os.listdir(os.path.join(chat, "blocks"))
-                          if f.endswith(".safetensors") and f.count(".") == 1)
-        sidecars = [os.path.join(chat, "blocks", f) for f in os.listdir(os.path.join(chat, "blocks"))
-                    if f.endswith(".docs.safetensors")]
+        files = [os.path.join(chat, "blocks", f) for f in os.listdir(os.path.join(chat, "blocks"))]
+        token_bytes = sum(os.path.getsize(f) for f in files if os.path.basename(f).count(".") == 1)
+        sidecars = [f for f in files if f.endswith(".docs.safetensors")]
         mask_bytes = sum(_tensor_bytes(p, "mask") for p in sidecars)
         docs_bytes = sum(os.path.getsize(p) for p in sidecars)
         print(f"mask storage: {mask_bytes:,} bytes = {mask_bytes / token_bytes:.2%} of the {token_bytes:,} "
               f"token bytes (documents sidecars in all: {docs_bytes / token_bytes:.2%})")
-        seconds = {}
-        for name, cache in (("text", text_cache), ("chat", chat_cache)):
-            ds = tc.TokenDataset(cache, 2048)
-            order = np.random.default_rng(0).permutation(len(ds))
-            order = order[: len(order) // 16 * 16].reshape(-1, 16)
-            best = float("inf")
-            for _ in range(5):
-                t = time.perf_counter()
-                for rows in order:
-                    batch = ds.get_batch(rows.tolist())
-                best = min(best, time.perf_counter() - t)
-            seconds[name] = best
-            assert ("loss_mask" in batch) == (name == "chat") and isinstance(batch["labels"], torch.Tensor)
-        print(f"reading a shuffled pass in batches of 16 x 2048 (best of 5): without mask "
-              f"{seconds['text']:.3f} s, with mask {seconds['chat']:.3f} s")
+        rates = {}
+        for workers_read in (0, 2):  # the recommended in-process loader, and 2 workers
+            for name, cache in (("text", text_cache), ("chat", chat_cache)):
+                rates[name, workers_read] = loader_rate(tc.TokenDataset(cache, 2048), workers_read)
+            print(f"reading (tc.DataLoader, batches of 16 x 2048, shuffled, num_workers={workers_read}): "
+                  f"without mask {rates['text', workers_read]:.0f} batches/s, with mask "
+                  f"{rates['chat', workers_read]:.0f} batches/s")
         print(f"RATIO chat build / text build tokens/s: {text_s / chat_s:.2f}x")
         print(f"RATIO mask storage / token bytes: {mask_bytes / token_bytes:.4f}")
-        print(f"RATIO reading with mask / without: {seconds['text'] / seconds['chat']:.2f}x")
+        for w in (0, 2):
+            print(f"RATIO reading with mask / without, num_workers={w}: "
+                  f"{rates['chat', w] / rates['text', w]:.2f}x")
         if not same:
             raise SystemExit("the chat cache's ids differ from the text cache's")
+
+
+def loader_rate(ds, workers: int, passes: int = 5) -> float:
+    """Batches/s of a shuffled pass of the loader (after its first batch), best of `passes`."""
+    import torchcache as tc
+    best = 0.0
+    for p in range(passes):
+        loader = tc.DataLoader(ds, batch_size=16, shuffle=True, seed=p, num_workers=workers)
+        batches = iter(loader)
+        batch = next(batches)
+        start, n = time.perf_counter(), 0
+        for batch in batches:
+            n += 1
+        best = max(best, n / (time.perf_counter() - start))
+    assert ("loss_mask" in batch) == ds.has_loss_mask
+    return best
 
 
 def _tensor_bytes(path: str, name: str) -> int:

@@ -20,7 +20,7 @@ from .inputs import iter_records, iter_strings
 from .records import BadRecord, InputSource, Record, raise_or_count
 from ..format.storage import Storage
 from .tokenizing import DocumentEncoder
-from .chat import mask_runs, trained_token_mask
+from .chat import mask_runs
 from .formats import RecordShaper
 from ..format.documents import write_docs_file
 
@@ -283,14 +283,13 @@ def _document_encoder(job: BuildJob) -> Callable[[list[tuple[Record, Any, Any]]]
             texts = [r.text if s is None else s.text for r, _, s in batch]
             return [_Encoded(ids) for ids in encoder.encode(texts)]
         spanned = [s for s in shaped if s.text is not None]
-        encoded = iter(encoder.encode_with_offsets([s.text for s in spanned]))
+        encoded = iter(encoder.encode_trained([s.text for s in spanned], [s.spans for s in spanned]))
         out = []
         for s in shaped:
             if s.text is None:  # pre-tokenized
                 out.append(wrap(s.ids, s.trained))
             else:
-                ids, offsets = next(encoded)
-                out.append(wrap(ids, trained_token_mask(offsets, s.spans)))
+                out.append(wrap(*next(encoded)))
         return out
     return encode
 

@@ -23,6 +23,7 @@ class TrainedRuns:
         self.starts = np.empty(0, dtype=np.int64)  # global positions, sorted
         self.ends = np.empty(0, dtype=np.int64)
         self.loaded = np.zeros(0, dtype=bool)  # per block
+        self.all_loaded = -1  # the number of blocks when every one was loaded (-1: not so)
         self._alternating = np.zeros(0, dtype=bool)  # False, True, False, ...
 
     def __getstate__(self) -> dict[str, Any]:
@@ -43,12 +44,13 @@ class TrainedRuns:
             return np.zeros((rows, max(length, 0)), dtype=bool)
         ends = starts + length
         # (numpy methods, not functions: a batch is a few dozen calls, their overhead counts)
-        blocks = token_starts.searchsorted(np.concatenate((starts, ends - 1)), "right") - 1
-        first_block, last_block = blocks[:rows], blocks[rows:]
-        loaded = self.loaded
-        if len(loaded) < len(token_starts) - 1 or not loaded[blocks].all() or \
-                (last_block - first_block).max() > 1:
-            self._load_blocks(first_block, last_block, token_starts, load)
+        if self.all_loaded != len(token_starts) - 1:  # some block's runs may be missing
+            blocks = token_starts.searchsorted(np.concatenate((starts, ends - 1)), "right") - 1
+            first_block, last_block = blocks[:rows], blocks[rows:]
+            loaded = self.loaded
+            if len(loaded) < len(token_starts) - 1 or not loaded[blocks].all() or \
+                    (last_block - first_block).max() > 1:
+                self._load_blocks(first_block, last_block, token_starts, load)
         first = self.ends.searchsorted(starts, "right")
         counts = self.starts.searchsorted(ends, "left") - first
         total = int(counts.sum())
@@ -90,3 +92,4 @@ class TrainedRuns:
             self.starts = np.insert(self.starts, at, runs[:, 0] + token_starts[b])
             self.ends = np.insert(self.ends, at, runs[:, 0] + runs[:, 1] + token_starts[b])
             self.loaded[b] = True
+        self.all_loaded = n_blocks if self.loaded[:n_blocks].all() else -1

@@ -119,7 +119,8 @@ def masked_labels(targets: np.ndarray, trained: np.ndarray | None) -> dict[str, 
     ``trained`` itself; labels that already hold -100 (packed rows) are compared once more."""
     if trained is None:
         return {"labels": torch.from_numpy(targets.astype(np.int64))}
-    labels = np.where(trained, targets, np.int64(IGNORE_INDEX))  # one pass, widened to int64
+    labels = targets.astype(np.int64)
+    np.copyto(labels, IGNORE_INDEX, where=~trained)
     mask = trained if targets.dtype.kind == "u" else labels != IGNORE_INDEX
     return {"labels": torch.from_numpy(labels), "loss_mask": torch.from_numpy(np.ascontiguousarray(mask))}
 
