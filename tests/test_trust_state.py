@@ -197,7 +197,7 @@ def test_a_version_2_state_still_loads_checked_by_fingerprint_only(caches):
     first = _loader(tc.TokenDataset(a, SEQ))
     it = iter(first)
     next(it)
-    v2 = {k: v for k, v in first.state_dict().items() if k != "content"}
+    v2 = {k: v for k, v in first.state_dict().items() if k not in ("content", "steps", "skips")}
     v2["version"] = 2
     for cache in (a, b):  # a version 2 state does not know the content
         loader = _loader(tc.TokenDataset(cache, SEQ))

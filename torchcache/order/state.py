@@ -12,6 +12,7 @@ from collections.abc import Callable, Collection, Mapping
 from typing import Any
 
 from .._util.args import bool_arg, int_arg, optional_int_arg, position_arg
+from .steps import StepMap, StepSegment, merge_skips
 
 __all__ = ["check_state"]
 
@@ -54,6 +55,24 @@ def _optional_mapping_field(value: Any, name: str) -> dict[str, Any] | None:
 
 
 #: How each field a state may hold is checked (a TypeError/ValueError naming ``state[field]``).
+def _steps_field(value: Any, name: str) -> list[StepSegment]:
+    """A loader's step segments (see torchcache.order.steps), in order."""
+    if not isinstance(value, list) or not value:
+        raise ValueError(f"{name} must be a non-empty list of step segments, got {value!r}")
+    segments = [StepSegment.from_list(item, f"{name}[{k}]") for k, item in enumerate(value)]
+    StepMap(segments)  # checks the order
+    return segments
+
+
+def _skips_field(value: Any, name: str) -> list[tuple[int, int]]:
+    if not isinstance(value, list):
+        raise ValueError(f"{name} must be a list of [start, end] step ranges, got {value!r}")
+    merged = merge_skips(value, name)
+    if merged != [tuple(x) for x in value]:
+        raise ValueError(f"{name} must be sorted, non-overlapping [start, end] ranges, got {value!r}")
+    return merged
+
+
 _STATE_FIELDS: dict[str, Callable[[Any, str], Any]] = {
     "format": _text_field,
     "version": _count_field,
@@ -78,6 +97,8 @@ _STATE_FIELDS: dict[str, Callable[[Any, str], Any]] = {
     "batches": _count_field,
     "sampler": _text_field,
     "rng": _optional_mapping_field,
+    "steps": _steps_field,
+    "skips": _skips_field,
 }
 
 _IDENTITY = ("fingerprint", "num_samples")  # what says which dataset a state belongs to

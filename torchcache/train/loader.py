@@ -26,6 +26,7 @@ import torch.utils.data
 from .._util.args import bool_arg, flag_arg, int_arg, number_arg, optional_int_arg
 from .counted import PassStart, pass_generators, sampler_name, skip_batches
 from ..order.permutation import PERMUTATION_ALGORITHM
+from ..order.steps import StepMap, StepSegment, merge_skips
 from ..order.state import check_state
 from .dataset import knows_content
 from ..read.cache import TokenCache
@@ -39,14 +40,17 @@ _DEFAULT_PREFETCH = 4  # batches read ahead by default for a dataset with get_ba
 T_co = TypeVar("T_co", covariant=True)
 
 LOADER_STATE_FORMAT = "torchcache.loader"
-LOADER_STATE_VERSION = 3
+LOADER_STATE_VERSION = 4
 _LOADER_FIELDS_V1 = ("format", "version", "algorithm", "counts", "consumed", "seed", "shuffle",
                      "num_samples", "window", "fingerprint", "world_size", "batch_size")
 #: Version 2 adds "schedule": a mixture's resume_prefix() at the saved position (else null).
 _LOADER_FIELDS_V2 = _LOADER_FIELDS_V1 + ("schedule",)
 #: Version 3 adds "content": the dataset's content_identity (the data of its cache's committed
 #: blocks; null for a dataset without one). Older states are checked by fingerprint only.
-_LOADER_FIELDS = _LOADER_FIELDS_V2 + ("content",)
+_LOADER_FIELDS_V3 = _LOADER_FIELDS_V2 + ("content",)
+#: Version 4 adds "steps" (how the run's steps map to stream positions: segments of world size,
+#: batch size and loader epoch) and "skips" (the step ranges never trained on).
+_LOADER_FIELDS = _LOADER_FIELDS_V3 + ("steps", "skips")
 #: The state of a loader over a sampler of the user's own: batches received in the current pass.
 _COUNTED_FIELDS = ("format", "version", "counts", "batches", "num_samples", "batch_size", "sampler",
                    "fingerprint", "content", "rng")
@@ -355,6 +359,8 @@ class DataLoader(torch.utils.data.DataLoader[T_co]):
         self._pass_received = 0  # (counted) batches the loop received in the current pass
         self._resume: tuple[int, PassStart | None] | None = None  # (counted) a loaded state, for iter()
         self._consumed = 0
+        self._step_map: StepMap | None = None  # the steps read so far, when they are not the default
+        self._skips: list[tuple[int, int]] = []  # step ranges never trained on
         self._generation = 0  # bumped per iter() and load_state_dict(); stale iterators stop counting
         self._sampler_version = getattr(self.sampler, "position_version", 0)  # after our last move
         self.prefetch_batches = prefetch_batches
@@ -423,6 +429,7 @@ class DataLoader(torch.utils.data.DataLoader[T_co]):
         if sampler.position_version != self._sampler_version:
             self._sampler_version = sampler.position_version
             self._consumed = sampler.position
+            self._read_on_from(self._steps(), self._consumed)
             self._generation += 1
             self._stop_live(_MOVED)
 
@@ -435,6 +442,7 @@ class DataLoader(torch.utils.data.DataLoader[T_co]):
         """Move the sampler to the consumed position for a new iterator; -> (start, k, generation)."""
         self._adopt_sampler_moves()
         self._follow_dataset_length()
+        self._consumed = self._past_skips(self._consumed)
         self._position_sampler(self._consumed)
         self._generation += 1
         return self._consumed, self.sampler.iteration_length(self._consumed), self._generation
@@ -453,6 +461,7 @@ class DataLoader(torch.utils.data.DataLoader[T_co]):
         epoch, into = divmod(self._consumed, epoch_size)
         self._consumed = (epoch + (into > 0)) * sampler.epoch_size
         self._position_sampler(self._consumed)
+        self._read_on_from(self._steps(), self._consumed)  # later epochs have the new length
 
     def __iter__(self) -> Iterator[Any]:
         if self._iterable:
@@ -536,13 +545,17 @@ class DataLoader(torch.utils.data.DataLoader[T_co]):
             return pin_batch if pin else None
         return (lambda batch: pin_batch(expand(batch))) if pin else expand
 
-    def _stop_live(self, reason: str) -> None:
-        """Stop the live iterator (its ``next()`` then raises RuntimeError(``reason``)), its
-        prefetch thread and the batches it read ahead (they were not received)."""
+    def _close_prefetcher(self) -> None:
+        """Stop the read-ahead thread and drop the batches it read (they were not received)."""
         prefetcher = self._prefetcher() if self._prefetcher is not None else None
         if prefetcher is not None:
             prefetcher.close()
         self._prefetcher = None
+
+    def _stop_live(self, reason: str) -> None:
+        """Stop the live iterator (its ``next()`` then raises RuntimeError(``reason``)), its
+        prefetch thread and the batches it read ahead (they were not received)."""
+        self._close_prefetcher()
         live = self._live() if self._live is not None else None
         if live is not None:
             live.stop(reason)
@@ -561,6 +574,118 @@ class DataLoader(torch.utils.data.DataLoader[T_co]):
         if count is None:
             raise TypeError("an infinite DataLoader without max_epochs/max_samples has no len()")
         return _num_batches(count, self._samples_per_batch(), self.drop_last)
+
+    # ------------------------------------------------------------ steps: provenance and skips
+    def _epoch_size(self, world_size: int) -> int | None:
+        """Positions per loader epoch at `world_size` (None: the sampler never ends an epoch)."""
+        sampler = self.sampler
+        if sampler.infinite:
+            return None
+        n = sampler.dataset_size
+        return world_size * (n // world_size if sampler.drop_last else -(-n // world_size))
+
+    def _steps(self) -> StepMap:
+        """How every step of the run maps to stream positions: the segments read before the
+        state this loader loaded, then this loader's own batching (see order.steps)."""
+        if self._step_map is None:
+            sampler = self.sampler
+            self._step_map = StepMap([StepSegment(0, 0, sampler.world_size, self._samples_per_batch(),
+                                                  self._epoch_size(sampler.world_size),
+                                                  self.drop_last)])
+        return self._step_map
+
+    def _read_on_from(self, steps: StepMap, position: int) -> None:
+        """Take `steps` as the run's so far, read on from `position` with this loader's batching."""
+        sampler = self.sampler
+        self._step_map = steps.continued(steps.step_at(position), position, sampler.world_size,
+                                         self._samples_per_batch(),
+                                         self._epoch_size(sampler.world_size), self.drop_last)
+
+    def _refuse_steps(self, what: str) -> None:
+        self._refuse_iterable(what)
+        if self._counted:
+            raise TypeError(f"{what} needs the loader's own tc.DistributedSampler: with a sampler "
+                            "of your own, a step's samples depend on its random draws")
+        if self.sampler.growing:
+            raise ValueError(f"{what}: the cache is still being built, so its loader epochs (and "
+                             "the steps in them) are not fixed yet; wait for the build to finish")
+
+    @property
+    def step(self) -> int:
+        """The global step (batch of all ranks) the next batch belongs to: steps received so
+        far, skipped ones included.
+
+        >>> loader = tc.DataLoader(range(100), batch_size=8)
+        >>> _ = next(iter(loader)); loader.step
+        1
+        """
+        self._refuse_steps("step")
+        return self._steps().step_at(self._consumed)
+
+    def step_samples(self, step: int) -> np.ndarray:
+        """The dataset indices of global batch `step`, all ranks together: rank ``r`` of ``W``
+        reads ``out[r::W]``. A pure function of the loader's configuration and state (world and
+        batch sizes over the run, recorded in the state; skips keep step numbers), for past and
+        future steps alike; O(global batch), nothing read.
+
+        >>> loader = tc.DataLoader(range(100), batch_size=4, shuffle=True, seed=0)
+        >>> loader.step_samples(0).tolist() == next(iter(loader)).tolist()
+        True
+        """
+        self._refuse_steps("step_samples()")
+        step = int_arg(step, "step", minimum=0)
+        start, stop = self._steps().positions(step)
+        return self.sampler.indices_for_positions(np.arange(start, stop, dtype=np.int64))
+
+    def skip_steps(self, start: int, end: int) -> None:
+        """Never train on global steps [start, end): once the loader reaches step ``start`` it
+        goes on with step ``end`` (the usual answer to a loss spike). Step numbers keep counting
+        data, so :meth:`step_samples` of later steps is unchanged. Recorded in the state, so a
+        resume at any world size or worker count skips the same steps. A range that overlaps
+        steps already received is a ValueError: to redo those, load an earlier state.
+
+        >>> loader = tc.DataLoader(range(100), batch_size=4)
+        >>> loader.skip_steps(1, 3)
+        >>> [batch.tolist() for batch, _ in zip(loader, range(2))]
+        [[0, 1, 2, 3], [12, 13, 14, 15]]
+        """
+        self._refuse_steps("skip_steps()")
+        start = int_arg(start, "start", minimum=0)
+        end = int_arg(end, "end", minimum=start + 1)
+        current = self._steps().step_at(self._consumed)
+        if start < current:
+            raise ValueError(f"cannot skip steps [{start}, {end}): steps before {current} were "
+                             "already received; to train differently from an earlier step, load "
+                             "a state saved before it and skip from there")
+        self._skips = merge_skips(self._skips + [(start, end)])
+
+    @property
+    def skipped_steps(self) -> list[tuple[int, int]]:
+        """The step ranges this run never trains on (see :meth:`skip_steps`)."""
+        return list(self._skips)
+
+    def _past_skips(self, position: int) -> int:
+        """`position`, or, if the step there is skipped, the position of the first step after
+        the skips."""
+        if not self._skips or self._counted:
+            return position
+        steps = self._steps()
+        step = first = steps.step_at(position)
+        for start, end in self._skips:
+            if start <= step < end:
+                step = end
+        return steps.positions(step)[0] if step != first else position
+
+    def _jump_past_skips(self, live: "_CountingIterator") -> None:
+        """If the next step of the live iterator is skipped, continue it after the skip: its
+        read-ahead is dropped and it goes on from the first step after the skipped ones."""
+        after = self._past_skips(self._consumed)
+        if after == self._consumed:
+            return
+        self._close_prefetcher()
+        self._consumed = after
+        start, count, generation = self._start()
+        live.restart(self._batches(take=None), start, count, generation)
 
     def state_dict(self) -> dict[str, Any]:
         """Small JSON-serialisable state: the consumed global position plus what must match.
@@ -593,6 +718,8 @@ class DataLoader(torch.utils.data.DataLoader[T_co]):
             "batch_size": self.batch_size,
             "schedule": schedule,
             "content": content,
+            "steps": [segment.as_list() for segment in self._steps().segments],
+            "skips": [list(skip) for skip in self._skips],
         }
 
     def _identity(self, consumed: int | None = None) -> tuple[str | int | None, dict[str, Any] | None]:
@@ -672,9 +799,15 @@ class DataLoader(torch.utils.data.DataLoader[T_co]):
         if self._counted or counts == "batches":
             self._load_counted(state, counts)
             return
-        consumed = self._checked_state(state)["consumed"]
+        checked = self._checked_state(state)
+        consumed = checked["consumed"]
         self._stop_live(_LOADED)
         self._consumed = consumed
+        saved = StepMap(checked["steps"]) if "steps" in checked else \
+            StepMap([StepSegment(0, 0, checked["world_size"], checked["batch_size"] or 1,
+                                 self._epoch_size(checked["world_size"]), self.drop_last)])
+        self._read_on_from(saved, consumed)
+        self._skips = list(checked.get("skips", []))
         self._generation += 1
         self._position_sampler(consumed)
 
@@ -704,9 +837,9 @@ class DataLoader(torch.utils.data.DataLoader[T_co]):
         current = self.state_dict()
         version = state.get("version") if isinstance(state, Mapping) else None
         fields = _LOADER_FIELDS
-        if type(version) is int and version in (1, 2):  # saved before "content" (and "schedule")
+        if type(version) is int and version in (1, 2, 3):  # saved before "steps", "content"...
             current["version"] = version
-            fields = _LOADER_FIELDS_V1 if version == 1 else _LOADER_FIELDS_V2
+            fields = (_LOADER_FIELDS_V1, _LOADER_FIELDS_V2, _LOADER_FIELDS_V3)[version - 1]
         mixture = _edits_future(self.dataset)
         if version == 1:
             if mixture:  # version 1 saved the whole mixture's fingerprint
@@ -1063,6 +1196,18 @@ class _CountingIterator(_LiveIterator):
         self._world = loader.sampler.world_size
         self._batch = loader._samples_per_batch()
         self._received = 0  # samples of this rank returned so far
+
+    def restart(self, inner: Iterator[Any], start: int, count: int | None, generation: int) -> None:
+        """Go on with `inner`, a new iteration from `start` (after skipped steps)."""
+        self._inner, self._start, self._count, self._generation = inner, start, count, generation
+        self._received = 0
+
+    def __next__(self) -> Any:
+        loader = self._loader
+        if loader._skips and not self._done and self._stopped is None \
+                and loader._generation == self._generation:
+            loader._jump_past_skips(self)
+        return super().__next__()
 
     def _received_batch(self, counts: bool) -> None:
         loader = self._loader
