@@ -24,17 +24,22 @@ _LAZY = {
     "MixtureDataset": ".train.mix",
     "MixtureSchedule": ".order.schedule",
     "PackedDataset": ".train.packed",
+    "RecipeError": ".train.recipe",
+    "RecipePlan": ".train.recipe",
     "TokenDataset": ".train.dataset",
+    "load_recipe": ".train.recipe",
     "packed_collate": ".train.collate",
     "pad_collate": ".train.collate",
+    "plan_recipe": ".train.recipe",
+    "trace_step": ".train.trace",
 }
 
 __all__ = [
     "BuildError", "BuildHandle", "BuildResult", "CacheFormatError", "DataLoader",
     "DistributedSampler", "DocumentDataset", "InputChangedError", "InputError", "MixtureDataset",
-    "MixtureSchedule", "PackedDataset", "Problem", "RepairResult", "TokenCache", "TokenDataset", "build_cache",
-    "check_cache", "convert_webdataset", "packed_collate", "pad_collate", "repair_cache",
-    "verify_cache",
+    "MixtureSchedule", "PackedDataset", "Problem", "RecipeError", "RecipePlan", "RepairResult",
+    "TokenCache", "TokenDataset", "build_cache", "check_cache", "convert_webdataset", "load_recipe",
+    "packed_collate", "pad_collate", "plan_recipe", "repair_cache", "trace_step", "verify_cache",
 ]
 
 

@@ -24,6 +24,8 @@ from typing import Any, Sequence
 import numpy as np
 from tqdm.auto import tqdm
 
+import torchcache
+
 from . import __version__
 from ._util.args import POSITION_LIMIT, int_arg, optional_int_arg
 from .build.api import build_cache
@@ -475,6 +477,84 @@ def _token_range(text: str) -> tuple[int, int]:
                          "count N for the first N, e.g. --tokens 0:100 or --tokens 100") from None
 
 
+def _trace(args: argparse.Namespace) -> int:
+    """`torchcache trace`: what each sample of a global step read (see train/trace.py)."""
+    loader = _trace_loader(args)
+    step = int_arg(args.step, "--step", minimum=0)
+    samples = torchcache.trace_step(loader, step, words=args.words)
+    skipped = any(a <= step < b for a, b in loader.skipped_steps)
+    world = loader.sampler.world_size
+    if args.json:
+        print(json.dumps({"step": step, "skipped": skipped, "world_size": world,
+                          "samples": samples}, ensure_ascii=False))
+        return 0
+    note = "; a skipped step, never trained on" if skipped else ""
+    print(f"step {step}: {_plural(len(samples), 'sample')} over {_plural(world, 'rank')}{note}")
+    for sample in samples:
+        print(f"sample {sample['sample']} (rank {sample['rank']})")
+        for piece in sample["documents"]:
+            print("  " + _trace_line(piece))
+    return 0
+
+
+def _trace_line(piece: dict[str, Any]) -> str:
+    """One document of a traced sample: source, document, tokens, input:line, first words."""
+    source = f"{piece['source']}  " if piece.get("source") else ""
+    if "document" not in piece:
+        return f"{source}item {piece['index']} (not a cache)"
+    where = piece["input"] if piece["record"] is None else f"{piece['input']}:{piece['record'] + 1}"
+    fields = f"  {json.dumps(piece['fields'], ensure_ascii=False)}" if piece["fields"] else ""
+    return (f"{source}document {piece['document']} tokens {piece['start']}:{piece['end']}  "
+            f"{where}{fields}  {piece['text']!r}")
+
+
+def _trace_loader(args: argparse.Namespace) -> Any:
+    """The loader whose step is traced: over a recipe's mixture or a cache's windows or rows,
+    batched as the saved state (or the arguments) say, at the state's position."""
+    state = _json_file(args.state, "--state") if args.state else None
+    if state is not None and not isinstance(state, dict):
+        raise ValueError(f"--state {args.state}: not a DataLoader state (a JSON object from "
+                         "loader.state_dict())")
+    if _is_cache(args.target, args.storage_options):
+        if args.seq_len is None:
+            raise ValueError(f"{args.target} is a cache: give --seq-len (and --packed for "
+                             "PackedDataset rows)")
+        kind = torchcache.PackedDataset if args.packed else torchcache.TokenDataset
+        dataset = kind(TokenCache(args.target, storage_options=args.storage_options), args.seq_len)
+        global_batch = None
+    else:
+        if args.seq_len is not None or args.packed:
+            raise ValueError("--seq-len and --packed are for a cache; a recipe names its own")
+        dataset = torchcache.MixtureDataset.from_recipe(args.target)
+        global_batch = plan_recipe(args.target).global_batch
+    world = args.world_size or (state or {}).get("world_size") or 1
+    batch = args.batch_size or (state or {}).get("batch_size") or (
+        global_batch // world if global_batch else None)
+    if not batch:
+        raise ValueError("give --batch-size (per rank), or --state with a saved loader state")
+    seed = args.seed if args.seed is not None else (state or {}).get("seed", 0)
+    sampler = torchcache.DistributedSampler(dataset, num_replicas=world, rank=0, seed=seed)
+    loader = torchcache.DataLoader(dataset, batch_size=batch, sampler=sampler)
+    if state is not None:
+        loader.load_state_dict(state)
+    return loader
+
+
+def _is_cache(target: str, storage_options: dict[str, Any] | None) -> bool:
+    """True for a cache directory (or URL); False for a recipe file."""
+    if target.endswith((".json", ".yaml", ".yml")) and os.path.isfile(target):
+        return False
+    return open_storage(target, storage_options).exists(fmt.MANIFEST_NAME)
+
+
+def _json_file(path: str, flag: str) -> Any:
+    try:
+        with open(path, encoding="utf-8") as f:
+            return json.load(f)
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{flag} {path}: not valid JSON ({e})") from None
+
+
 def _show(args: argparse.Namespace) -> int:
     cache = _open_cache(args)
     if _local_copy(cache) is not None:
@@ -713,8 +793,10 @@ def make_parser() -> argparse.ArgumentParser:
     mp = mix_sub.add_parser(
         "plan", help="per stage and per source: samples, tokens and epochs, without reading tokens",
         description="Read a recipe (JSON, or YAML with the yaml extra; format in "
-                    "torchcache/recipe.py) and print, per stage and per source, the samples and "
-                    "tokens the run reads and how many times it goes through each source.",
+                    "docs/recipes.md) and print, per stage and per source, the samples and "
+                    "tokens the run reads and how many times it goes through each source; for "
+                    "a recipe with token budgets, each budget against what the schedule "
+                    "delivers; and the recipe's skips.",
         parents=[remote_cache])
     mp.add_argument("recipe", help="recipe.json or recipe.yaml")
     mp.add_argument("--steps", type=int, default=None, help="optimizer steps (overrides the recipe)")
@@ -749,6 +831,29 @@ def make_parser() -> argparse.ArgumentParser:
                    help="for a cache with a loss mask: print the tokens as stored, without marking "
                         "the untrained ones (dimmed on a terminal, else in \u27e6...\u27e7)")
     s.set_defaults(func=_show)
+
+    t = sub.add_parser(
+        "trace", help="what a training step read: each sample's documents, inputs and records",
+        parents=[remote],
+        description="Print, for each sample of global step STEP (all ranks), the documents it is "
+                    "made of: source, document, token range, input file:line, kept fields and "
+                    "first words. From the loader's configuration and state alone: nothing is "
+                    "trained or iterated.")
+    t.add_argument("target", help="a recipe file (.json, .yaml) or a cache (then give --seq-len)")
+    t.add_argument("--step", type=int, required=True, help="the global step (batch of all ranks)")
+    t.add_argument("--state", default=None,
+                   help="a saved loader state (JSON of loader.state_dict()): its world and batch "
+                        "sizes over the run, skips and seed")
+    t.add_argument("--seq-len", type=int, default=None, help="for a cache: tokens per sample")
+    t.add_argument("--packed", action="store_true",
+                   help="for a cache: PackedDataset rows instead of TokenDataset windows")
+    t.add_argument("--batch-size", type=int, default=None,
+                   help="samples per rank (default: the state's, or the recipe's global_batch)")
+    t.add_argument("--world-size", type=int, default=None, help="ranks (default: the state's, or 1)")
+    t.add_argument("--seed", type=int, default=None, help="the sampler's seed (default: the state's, or 0)")
+    t.add_argument("--words", type=int, default=8, help="first words shown of each document")
+    t.add_argument("--json", action="store_true", help="print JSON (for tools)")
+    t.set_defaults(func=_trace)
     return parser
 
 

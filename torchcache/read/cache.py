@@ -928,6 +928,38 @@ class TokenCache:
             b += 1
         return np.concatenate(found) if found else np.empty(0, dtype=np.int64)
 
+    def document_pieces(self, start: int, stop: int) -> list[tuple[int, int, int]]:
+        """The documents overlapping global token range [start, stop), in order, as
+        ``(document, a, b)``: tokens [a, b) *of that document* (0 = its first token), so that
+        ``cache.document(d)[a:b]`` over the list concatenates to ``cache.read(start, stop)``.
+
+        Reads only offsets sidecars (kept per block): O(log blocks) plus the documents spanned.
+        Empty documents are left out (they hold no token of the range).
+
+        >>> cache.document_pieces(200, 500)  # doctest: +SKIP
+        [(0, 200, 212), (1, 0, 219), (2, 0, 69)]
+        """
+        start, stop = int_arg(start, "start", minimum=None), int_arg(stop, "stop", minimum=None)
+        if not 0 <= start <= stop <= self.num_tokens:
+            raise IndexError(f"token range [{start}, {stop}) outside [0, {self.num_tokens}): "
+                             "give 0 <= start <= stop <= num_tokens")
+        pieces: list[tuple[int, int, int]] = []
+        pos = start
+        b = int(np.searchsorted(self._token_starts, start, side="right")) - 1
+        while pos < stop:
+            base, block_end = int(self._token_starts[b]), min(stop, int(self._token_starts[b + 1]))
+            offsets = self.block_offsets(b)
+            local = int(np.searchsorted(offsets, pos - base, side="right")) - 1
+            while pos < block_end:
+                doc_start = base + int(offsets[local])
+                doc_end = min(base + int(offsets[local + 1]), block_end)
+                if doc_end > pos:
+                    pieces.append((int(self._doc_starts[b]) + local, pos - doc_start, doc_end - doc_start))
+                pos = max(pos, doc_end)
+                local += 1
+            b += 1
+        return pieces
+
     def document_key(self, i: int) -> str | None:
         """The source sample key of document i (webdataset `__key__`), or None if not recorded.
 

@@ -20,6 +20,8 @@ A tiny cache, built here from a word-level tokenizer, for the examples of this m
 >>> ds = TokenDataset(f"{tmp.name}/cache", seq_len=8)
 >>> len(ds), ds[0]["input_ids"].tolist(), ds[0]["labels"].tolist()
 (7, [0, 1, 2, 3, 4, 5, 9, 4], [1, 2, 3, 4, 5, 9, 4, 6])
+>>> ds.sample_documents(1)  # window 1: tokens 1-4 of document 1, then all of document 2
+[{'source': None, 'document': 1, 'start': 1, 'end': 5}, {'source': None, 'document': 2, 'start': 0, 'end': 4}]
 >>> batch = ds.get_batch([0, 6])
 >>> batch["input_ids"].shape, batch["labels"].dtype
 (torch.Size([2, 8]), torch.int64)
@@ -376,6 +378,21 @@ class TokenDataset(GrowingDataset):
         shift = 1 if self.labels == "shifted" else 0
         return self.cache.loss_masks(idx * self.seq_len + shift, self.seq_len)
 
+    def sample_documents(self, index: int) -> list[dict[str, Any]]:
+        """Which documents sample ``index``'s ``input_ids`` (its window's first seq_len tokens)
+        come from, in order: ``{"source": None, "document": d, "start": a, "end": b}`` for tokens
+        [a, b) of document d (0 = the document's first token). Concatenating
+        ``cache.document(d)[a:b]`` over the list gives the sample's ``input_ids``; see
+        ``cache.document_info(d)`` for the input file and record. Reads no token data.
+
+        >>> ds.sample_documents(3)  # doctest: +SKIP
+        [{'source': None, 'document': 7, 'start': 1840, 'end': 2011},
+         {'source': None, 'document': 8, 'start': 0, 'end': 1877}]
+        """
+        start = self._check_index(index) * self.seq_len
+        return [{"source": None, "document": d, "start": a, "end": b}
+                for d, a, b in self.cache.document_pieces(start, start + self.seq_len)]
+
     def __getitem__(self, index: int) -> dict[str, torch.Tensor]:
         return self.__getitems__([self._check_index(index)])[0]
 
@@ -536,6 +553,18 @@ class DocumentDataset(GrowingDataset):
 
     def __len__(self) -> int:
         return self.cache.num_documents
+
+    def sample_documents(self, index: int) -> list[dict[str, Any]]:
+        """Item ``index`` is all of document ``index``: ``[{"source": None, "document": index,
+        "start": 0, "end": its length}]`` (negative ``index`` counted from the end), the form
+        of :meth:`TokenDataset.sample_documents`, so that a mixture can name it.
+
+        >>> docs.sample_documents(1)  # doctest: +SKIP
+        [{'source': None, 'document': 1, 'start': 0, 'end': 219}]
+        """
+        i = self._check_index(index)
+        start, stop = self.cache.document_span(i)
+        return [{"source": None, "document": i, "start": 0, "end": stop - start}]
 
     def __getitem__(self, index: int) -> Any:
         if self._loss_mask:

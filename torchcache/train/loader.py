@@ -360,7 +360,9 @@ class DataLoader(torch.utils.data.DataLoader[T_co]):
         self._resume: tuple[int, PassStart | None] | None = None  # (counted) a loaded state, for iter()
         self._consumed = 0
         self._step_map: StepMap | None = None  # the steps read so far, when they are not the default
-        self._skips: list[tuple[int, int]] = []  # step ranges never trained on
+        # step ranges never trained on (a recipe's come with its mixture: skipped_steps)
+        self._skips: list[tuple[int, int]] = merge_skips(getattr(dataset, "skipped_steps", ()),
+                                                         "dataset.skipped_steps")
         self._generation = 0  # bumped per iter() and load_state_dict(); stale iterators stop counting
         self._sampler_version = getattr(self.sampler, "position_version", 0)  # after our last move
         self.prefetch_batches = prefetch_batches
@@ -659,6 +661,19 @@ class DataLoader(torch.utils.data.DataLoader[T_co]):
                              "a state saved before it and skip from there")
         self._skips = merge_skips(self._skips + [(start, end)])
 
+    def _with_dataset_skips(self, saved: list[tuple[int, int]]) -> list[tuple[int, int]]:
+        """A loaded state's skips and the dataset's own (a recipe's), which may have been added
+        since the state was saved, but only for steps not received yet."""
+        current = self._steps().step_at(self._consumed)
+        for start, end in getattr(self.dataset, "skipped_steps", ()):
+            done = min(end, current)
+            if start < done and not any(a <= start and done <= b for a, b in saved):
+                raise ValueError(f"the dataset (its recipe) skips steps [{start}, {end}), but this "
+                                 f"state was saved at step {current}, after steps {start}.."
+                                 f"{done - 1} were trained on; load a state saved before step "
+                                 f"{start} to skip them, or start the skip at step {current} or later")
+        return merge_skips(saved + list(getattr(self.dataset, "skipped_steps", ())))
+
     @property
     def skipped_steps(self) -> list[tuple[int, int]]:
         """The step ranges this run never trains on (see :meth:`skip_steps`)."""
@@ -807,7 +822,7 @@ class DataLoader(torch.utils.data.DataLoader[T_co]):
             StepMap([StepSegment(0, 0, checked["world_size"], checked["batch_size"] or 1,
                                  self._epoch_size(checked["world_size"]), self.drop_last)])
         self._read_on_from(saved, consumed)
-        self._skips = list(checked.get("skips", []))
+        self._skips = self._with_dataset_skips(list(checked.get("skips", [])))
         self._generation += 1
         self._position_sampler(consumed)
 

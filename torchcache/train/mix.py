@@ -18,6 +18,8 @@ Any sized map-style datasets mix (here, lists of tensors); a batch is read a sou
 >>> source, local = mix.locate([0, 1, 2])
 >>> torch.equal(mix[2], mix.datasets[mix.names[source[2]]][local[2]])
 True
+>>> mix.sample_documents(2) == [{"source": mix.names[source[2]], "index": int(local[2])}]
+True
 >>> batch = mix.get_batch(np.arange(8))  # each source read once, the rows put back in order
 >>> torch.equal(batch, torch.stack([mix[i] for i in range(8)]))
 True
@@ -46,8 +48,10 @@ from .._util.lru import LRUCache
 from ..order.permutation import PERMUTATION_ALGORITHM
 from ..order.schedule import MIXTURE_ALGORITHM, MixtureSchedule, group_by, prefix_difference
 from ..read.cache import RowPlan, gather_rows
-from .dataset import TokenDataset, knows_content
+from .dataset import DocumentDataset, TokenDataset, knows_content
 from .loader import batched_reader
+from .packed import PackedDataset
+from .recipe import mixture_from_recipe
 
 _PLANNED_PERIOD_MAX = 1 << 14  # schedule periods up to this many samples are read through a RowPlan
 _PLANS = 4  # RowPlans a mixture keeps (one per schedule period; a loader reads one at a time)
@@ -460,6 +464,24 @@ class MixtureDataset(Dataset):
         """
         return self.schedule.locate(indices)
 
+    #: Global steps a :class:`torchcache.DataLoader` over this mixture never trains on (a
+    #: recipe's ``skips``; see :meth:`from_recipe`).
+    skipped_steps: Sequence[tuple[int, int]] = ()
+
+    @classmethod
+    def from_recipe(cls, path: Any, **overrides: Any) -> "MixtureDataset":
+        """The mixture a recipe file describes (docs/recipes.md): the very datasets, schedule,
+        seed and block size that ``torchcache mix plan`` printed for it. The recipe's ``skips``
+        come with it (:attr:`skipped_steps`): a :class:`torchcache.DataLoader` over it never
+        trains on those steps. ``overrides``: ``steps``, ``global_batch``, ``samples``,
+        ``storage_options``, ``local_dir`` change the plan; other keywords go to the mixture.
+
+        >>> mix = tc.MixtureDataset.from_recipe("run.yaml")  # doctest: +SKIP
+        >>> loader = tc.DataLoader(mix, batch_size=plan.global_batch // world_size)  # doctest: +SKIP
+        """
+        return mixture_from_recipe(path, cls, {"tokens": TokenDataset, "packed": PackedDataset,
+                                               "documents": DocumentDataset}, **overrides)
+
     def source_of(self, index: int) -> str:
         """Name of the source that mixture index ``index`` comes from.
 
@@ -477,6 +499,27 @@ class MixtureDataset(Dataset):
         {'web': 700, 'code': 300}
         """
         return self.schedule.source_counts(start, stop)
+
+    def sample_documents(self, index: int) -> list[dict[str, Any]]:
+        """Which documents mixture sample ``index`` (any ``index >= 0``) is made of, in order:
+        its source's own :meth:`~torchcache.TokenDataset.sample_documents` of the local index
+        :meth:`locate` gives, each entry's ``"source"`` set to the source's name (for a nested
+        mixture, ``"outer/inner"``): ``{"source": name, "document": d, "start": a, "end": b}``,
+        tokens [a, b) of document d of ``mix.datasets[name].cache``.
+
+        A source without ``sample_documents`` (a plain torch dataset) has no documents to name:
+        it gives one entry ``{"source": name, "index": k}``, with k its own index of the sample.
+
+        >>> mix.sample_documents(0)  # doctest: +SKIP
+        [{'source': 'web', 'document': 412, 'start': 96, 'end': 2144}]
+        """
+        k, local = self.schedule.locate_one(index)
+        name, ds = self.names[k], self._datasets[k]
+        describe = getattr(ds, "sample_documents", None)
+        if not callable(describe):
+            return [{"source": name, "index": local}]
+        return [{**entry, "source": name if entry["source"] is None else f"{name}/{entry['source']}"}
+                for entry in describe(local)]
 
     # -- reading --------------------------------------------------------------------------------
 

@@ -22,6 +22,8 @@ Four documents, built into a tiny cache here (a word-level tokenizer), packed in
 (4, 1, 0.1875)
 >>> ds.row_documents(2)  # (document, start, end): document 1, then the rest of document 3
 [(1, 0, 5), (3, 8, 10)]
+>>> ds.sample_documents(2)[1]  # the same, in the form every dataset gives (see TokenDataset's)
+{'source': None, 'document': 3, 'start': 8, 'end': 10}
 >>> batch = ds.get_batch([1, 2])
 >>> batch["input_ids"].tolist()  # padded with the EOS id (9)
 [[0, 1, 2, 3, 4, 5, 9, 9], [4, 6, 7, 8, 9, 8, 9, 9]]
@@ -257,6 +259,20 @@ class PackedDataset(GrowingDataset):
             doc_start = self.cache.document_span(doc)[0]
             out.append((doc, start - doc_start, start - doc_start + length))
         return out
+
+    def sample_documents(self, index: int) -> list[dict[str, Any]]:
+        """:meth:`row_documents` of row ``index`` in the form every dataset of this package
+        gives (see :meth:`torchcache.TokenDataset.sample_documents`): ``{"source": None,
+        "document": d, "start": a, "end": b}`` for tokens [a, b) of document d, in row order.
+        Concatenating ``cache.document(d)[a:b]`` over the list gives the row's ``input_ids``
+        without its padding. Reads the pack plan, no token data.
+
+        >>> ds.sample_documents(2)  # doctest: +SKIP
+        [{'source': None, 'document': 1, 'start': 0, 'end': 5},
+         {'source': None, 'document': 3, 'start': 8, 'end': 10}]
+        """
+        return [{"source": None, "document": d, "start": a, "end": b}
+                for d, a, b in self.row_documents(index)]
 
     def __getitem__(self, index: int) -> dict[str, torch.Tensor]:
         return self.__getitems__([self._check_index(index)])[0]
