@@ -1,5 +1,6 @@
 """What many blocks cost: build time against block count, open time, and a simulated 100k-block
-cache (open, first batch after resuming at position 0 and 10^12, one commit at 100k vs 100).
+cache (open, first batch after resuming at position 0 and 10^12, `torchcache trace` of one step
+from a saved state, step_samples at 8 and 8,192 samples, one commit at 100k vs 100).
 
     python tools/bench_blocks.py [--tokens 1500000] [--simulate 100000]
 
@@ -131,6 +132,31 @@ def simulate(tmp: str, n_blocks: int, block_tokens: int = 64) -> None:
         next(iter(fresh))
         print(f"open + load_state_dict(consumed={position:.0e}) + first batch: "
               f"{(time.perf_counter() - start) * 1e3:.1f} ms")
+
+    # what a loss spike asks: the documents of one step, through the command line's code path
+    # (open, loader at a saved state, step_samples, sample_documents, document_info, first words)
+    state = dict(tc.DataLoader(ds, batch_size=8, shuffle=True, seed=1).state_dict(), consumed=10 ** 6)
+    state_file = os.path.join(tmp, "state.json")
+    with open(state_file, "w") as f:
+        json.dump(state, f)
+    from torchcache.cli import main as cli_main
+    import contextlib
+    import io
+    for step in (12_345, 10 ** 9):
+        start = time.perf_counter()
+        with contextlib.redirect_stdout(io.StringIO()) as out:
+            assert cli_main(["trace", root, "--seq-len", "16", "--step", str(step),
+                             "--state", state_file, "--json"]) == 0
+        seconds = time.perf_counter() - start
+        traced = json.loads(out.getvalue())
+        print(f"torchcache trace of step {step:,} ({len(traced['samples'])} samples) of a "
+              f"{n_blocks:,}-block cache: {seconds * 1e3:.0f} ms")
+    cost = {}
+    for batch in (8, 8192):  # step_samples: O(global batch)
+        loader = tc.DataLoader(ds, batch_size=batch, shuffle=True, seed=1)
+        cost[batch] = timed(lambda: loader.step_samples(10 ** 6), 20)
+    print(f"step_samples: {cost[8] * 1e6:.0f} us for 8 samples, {cost[8192] * 1e6:.0f} us for "
+          f"8,192 ({cost[8192] / 8192 * 1e9:.0f} ns a sample)")
 
     def one_commit(writer: ledger.LedgerWriter, count: int) -> float:
         e = dict(entries[0], index=count)
