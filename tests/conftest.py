@@ -58,6 +58,18 @@ def gpt2(gpt2_tokenizer_path):
 
 
 @pytest.fixture(scope="session")
+def chatml_tokenizer_path(gpt2, tmp_path_factory) -> str:
+    """GPT-2's tokenizer.json with the ChatML markers <|im_start|> and <|im_end|> added as special
+    tokens (a build takes a path)."""
+    from tokenizers import Tokenizer
+    tokenizer = Tokenizer.from_str(gpt2.to_str())
+    tokenizer.add_special_tokens(["<|im_start|>", "<|im_end|>"])
+    path = tmp_path_factory.mktemp("chatml-tokenizer") / "tokenizer.json"
+    tokenizer.save(str(path))
+    return str(path)
+
+
+@pytest.fixture(scope="session")
 def books() -> list[dict]:
     with open(DATA / "gutenberg_small.jsonl", encoding="utf-8") as f:
         return [json.loads(line) for line in f]

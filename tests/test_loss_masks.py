@@ -10,7 +10,6 @@ import json
 import numpy as np
 import pytest
 import torch
-from tokenizers import Tokenizer
 
 import torchcache as tc
 from conftest import paragraphs
@@ -20,13 +19,8 @@ SEQ = 200  # the conversations below are 97-478 tokens: most longer (split, trun
 
 
 @pytest.fixture(scope="module")
-def chat_tokenizer(gpt2, tmp_path_factory) -> str:
-    """GPT-2 with the ChatML markers as special tokens, saved (a build takes a path)."""
-    tokenizer = Tokenizer.from_str(gpt2.to_str())
-    tokenizer.add_special_tokens(["<|im_start|>", "<|im_end|>"])
-    path = tmp_path_factory.mktemp("chat-tok") / "tokenizer.json"
-    tokenizer.save(str(path))
-    return str(path)
+def chat_tokenizer(chatml_tokenizer_path) -> str:
+    return chatml_tokenizer_path
 
 
 def build_chats(out, tokenizer: str, conversations, template: str) -> tc.TokenCache:

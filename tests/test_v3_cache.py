@@ -40,14 +40,8 @@ TEMPLATE = (
 
 
 @pytest.fixture(scope="module")
-def chat_tokenizer(tmp_path_factory, gpt2) -> str:
-    """GPT-2's tokenizer.json with <|im_start|> and <|im_end|> added as special tokens."""
-    from tokenizers import Tokenizer
-    tok = Tokenizer.from_str(gpt2.to_str())
-    tok.add_special_tokens(["<|im_start|>", "<|im_end|>"])
-    path = tmp_path_factory.mktemp("chat_tok") / "tokenizer.json"
-    tok.save(str(path))
-    return str(path)
+def chat_tokenizer(chatml_tokenizer_path) -> str:
+    return chatml_tokenizer_path
 
 
 @pytest.fixture(scope="module")

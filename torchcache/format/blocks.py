@@ -544,6 +544,13 @@ def check_header(manifest: Any, path: str) -> dict[str, Any]:
     f = _Fields(path)
     for key in ("spec", "fingerprint"):
         f.get(manifest, key, "manifest")
+    spec = _check_identity(f, manifest)
+    return spec
+
+
+def _check_identity(f: "_Fields", manifest: dict[str, Any]) -> dict[str, Any]:
+    """A manifest's spec and fingerprint, checked (and its version against the spec: only v3
+    has documents); return the spec."""
     spec = _check_spec(f, manifest["spec"])
     documents = spec.get("documents") is not None
     if documents != (manifest.get("version") == 3):
@@ -581,14 +588,7 @@ def check_manifest(manifest: Any, path: str) -> None:
     f = _Fields(path)
     for key in ("spec", "blocks", "inputs", "complete", "fingerprint"):
         f.get(manifest, key, "manifest")
-    spec = _check_spec(f, manifest["spec"])
-    documents = spec.get("documents") is not None
-    if documents != (manifest.get("version") == 3):
-        raise f.fail("version", f"is {manifest.get('version')}, but the spec "
-                                f"{'has' if documents else 'has no'} documents (v3 caches only have them)")
-    f.str(manifest["fingerprint"], "fingerprint", _FINGERPRINT)
-    if manifest["fingerprint"] != spec_fingerprint(spec):
-        raise f.fail("fingerprint", "does not match the spec (the spec or the fingerprint was edited)")
+    spec = _check_identity(f, manifest)
     f.bool(manifest["complete"], "complete")
     _check_progress(f, manifest["inputs"], len(spec["inputs"]))
     skipped = f.dict(manifest.get("skipped", {}), "skipped")
