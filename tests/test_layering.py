@@ -18,10 +18,16 @@ PACKAGE = pathlib.Path(__file__).resolve().parent.parent / "torchcache"
 # Bottom to top: a module may import modules of its own folder and of the folders below it, never
 # above (docs/architecture.md). `read` sits below `build` because verify and repair read a cache
 # through the same checked file access as TokenCache; the read side never imports the build side.
-FOLDERS = ["errors", "_util", "order", "format", "read", "build", "train", "cli", "__init__", "__main__"]
+FOLDERS = ["errors", "_util", "order", "format", "read", "build", "train", "integrations", "cli", "__init__",
+           "__main__"]
 FOLDER_RANK = {folder: rank for rank, folder in enumerate(FOLDERS)}
 # Imported inside functions on purpose: optional extras, loaded only when used.
 OPTIONAL_EXTRAS = {"ray", "s3fs", "pyarrow", "zstandard", "torchdata", "yaml"}
+# Training frameworks (integrations/): each imported at the top of its one integrations module,
+# which nothing in the package imports, so only a user's own import loads it.
+FRAMEWORK_EXTRAS = {"transformers": "integrations.transformers"}
+# integrations/ sits on top of the training side: it reads nothing a build writes and builds nothing.
+INTEGRATIONS_MAY_IMPORT = {"train", "read", "format", "order", "_util", "errors"}
 # order/ is pure arithmetic: no I/O, no torch, nothing that reaches files or processes.
 ORDER_FORBIDDEN = {"torch", "os", "io", "pathlib", "shutil", "tempfile", "subprocess", "mmap", "socket",
                    "fsspec", "safetensors", "tokenizers", "threading", "multiprocessing"}
@@ -224,3 +230,31 @@ def test_no_private_attributes_of_other_modules_objects(name):
                       and not (isinstance(node.value, ast.Name) and node.value.id == "self"
                                and node.attr in family)})
     assert reached == [], f"{name} reaches into other modules' objects"
+
+
+def _roots(tree: ast.Module) -> set[str]:
+    roots = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            roots |= {alias.name.split(".")[0] for alias in node.names}
+        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+            roots.add(node.module.split(".")[0])
+    return roots
+
+
+@pytest.mark.parametrize("name", sorted(MODULES))
+def test_frameworks_are_imported_only_by_their_integration(name):
+    """transformers (and the other training frameworks) are optional extras: only their own
+    module in integrations/ imports them."""
+    found = {root for root in _roots(MODULES[name]) & set(FRAMEWORK_EXTRAS) if FRAMEWORK_EXTRAS[root] != name}
+    assert found == set(), f"{name} imports {sorted(found)}"
+
+
+@pytest.mark.parametrize("name", sorted(MODULES))
+def test_nothing_imports_integrations(name):
+    """integrations/ is imported by users only: `import torchcache` never loads a framework."""
+    if _folder(name) == "integrations":
+        folders = {_folder(module) for module, _, _ in _imports(name, MODULES[name])}
+        assert folders - {"integrations"} <= INTEGRATIONS_MAY_IMPORT, f"{name} imports {sorted(folders)}"
+        return
+    assert [m for m, _, _ in _imports(name, MODULES[name]) if _folder(m) == "integrations"] == []

@@ -18,7 +18,7 @@ from typing import Any
 
 import numpy as np
 import torch
-from torch.utils.data import Sampler
+import torch.utils.data
 
 from .._util.args import (POSITION_LIMIT, bool_arg, flag_arg, index_array, int_arg, number_arg,
                           optional_int_arg, position_arg)
@@ -76,8 +76,14 @@ def _build_handle(build: Any) -> Any:
     return build
 
 
-class DistributedSampler(Sampler[int]):
+class DistributedSampler(torch.utils.data.DistributedSampler):
     """Each rank's share of the global stream of permuted dataset indices.
+
+    It is a ``torch.utils.data.DistributedSampler`` subclass, so frameworks that look for one
+    (Lightning's ``use_distributed_sampler``, accelerate) leave it in place instead of wrapping it
+    in a second split; torch's ``__init__`` is not called (it needs a process group) and every
+    attribute torch's has is this class's own (:attr:`epoch` is read-only: use
+    :meth:`set_epoch` or :meth:`set_position`).
 
     The first six parameters are torch's, in torch's order:
     ``tc.DistributedSampler(ds, 2, 1, False, 0, True)`` is rank 1 of 2, no shuffle, seed 0,
@@ -512,6 +518,18 @@ class DistributedSampler(Sampler[int]):
     def num_replicas(self) -> int:
         """The number of ranks (torch's name for :attr:`world_size`)."""
         return self.world_size
+
+    @property
+    def epoch(self) -> int:
+        """The loader epoch of :attr:`position` (torch's attribute; 0 while the cache is still
+        being built). Read-only: :meth:`set_epoch` and :meth:`set_position` move the sampler.
+
+        >>> sampler = tc.DistributedSampler(range(10), 2, 0)
+        >>> sampler.set_position(12)
+        >>> sampler.epoch
+        1
+        """
+        return 0 if self._growing else self.position // self.epoch_size
 
     def set_epoch(self, epoch: int) -> None:
         """Accepted for drop-in compatibility with torch's DistributedSampler; usually a no-op.
