@@ -18,7 +18,8 @@ PACKAGE = pathlib.Path(__file__).resolve().parent.parent / "torchcache"
 # Bottom to top: a module may import modules of its own folder and of the folders below it, never
 # above (docs/architecture.md). `read` sits below `build` because verify and repair read a cache
 # through the same checked file access as TokenCache; the read side never imports the build side.
-FOLDERS = ["errors", "_util", "order", "format", "read", "build", "train", "integrations", "cli", "__init__",
+FOLDERS = ["errors", "_util", "order", "format", "read", "build", "train", "integrations", "pipeline",
+           "cli", "__init__",
            "__main__"]
 FOLDER_RANK = {folder: rank for rank, folder in enumerate(FOLDERS)}
 # Imported inside functions on purpose: optional extras, loaded only when used.

@@ -31,6 +31,7 @@ _LAZY = {
     "packed_collate": ".train.collate",
     "pad_collate": ".train.collate",
     "plan_recipe": ".train.recipe",
+    "source": ".pipeline",
     "trace_step": ".train.trace",
 }
 
@@ -39,7 +40,8 @@ __all__ = [
     "DistributedSampler", "DocumentDataset", "InputChangedError", "InputError", "MixtureDataset",
     "MixtureSchedule", "PackedDataset", "Problem", "RecipeError", "RecipePlan", "RepairResult",
     "TokenCache", "TokenDataset", "build_cache", "check_cache", "convert_webdataset", "load_recipe",
-    "packed_collate", "pad_collate", "plan_recipe", "repair_cache", "trace_step", "verify_cache",
+    "packed_collate", "pad_collate", "plan_recipe", "repair_cache", "source", "trace_step",
+    "verify_cache",
 ]
 
 

@@ -87,7 +87,7 @@ def build_cache(inputs: Any, output: str | os.PathLike, tokenizer: TokenizerLike
         2
         >>> tmp.cleanup()
     """
-    kwargs = _checked_arguments(text_key=text_key, block_tokens=block_tokens, num_workers=num_workers,
+    kwargs = checked_build_arguments(text_key=text_key, block_tokens=block_tokens, num_workers=num_workers,
                                 on_error=on_error, executor=executor, eos=eos, bos=bos,
                                 special_tokens_as_text=special_tokens_as_text,
                                 storage_options=storage_options, vocab_size=vocab_size,
@@ -100,9 +100,9 @@ def build_cache(inputs: Any, output: str | os.PathLike, tokenizer: TokenizerLike
     return run_build(inputs, output, tokenizer, progress=progress_enabled(progress), **kwargs)
 
 
-def _checked_arguments(*, text_key, block_tokens, num_workers, on_error, executor, eos, bos,
-                       special_tokens_as_text, storage_options, vocab_size, allow_empty,
-                       input_format, chat_template, train_on, keep_fields) -> dict[str, Any]:
+def checked_build_arguments(*, text_key, block_tokens, num_workers, on_error, executor, eos, bos,
+                            special_tokens_as_text, storage_options, vocab_size, allow_empty,
+                            input_format, chat_template, train_on, keep_fields) -> dict[str, Any]:
     """The build's arguments, each checked (type and value) before anything is read or written,
     as plain Python values (a numpy integer or bool becomes an int or a bool: they go into JSON)."""
     if not isinstance(text_key, str) or not text_key:

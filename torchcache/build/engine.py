@@ -30,6 +30,7 @@ from ..format.tokenizer import TokenizerLike, canonical_json, fingerprint_of_jso
 from .tokenizing import special_token_id
 from .chat import load_chat_template
 from .formats import documents_spec
+from .functions import function_fingerprint, pack_function
 from .worker import BlockWritten, BuildJob, build_input
 
 
@@ -83,18 +84,21 @@ def run_build(inputs: Any, output: str | os.PathLike, tokenizer: TokenizerLike |
               allow_empty: bool = False, report: Callable[[dict], None] | None = None,
               should_stop: Callable[[], bool] | None = None, input_format: str = "text",
               chat_template: Any = None, train_on: str = "assistant",
-              keep_fields: tuple[str, ...] = ()) -> BuildResult:
-    """Build (or resume, or confirm) the cache; the arguments are `build_cache`'s, checked."""
+              keep_fields: tuple[str, ...] = (),
+              pipeline: tuple[tuple[str, Callable[[Any], Any]], ...] = ()) -> BuildResult:
+    """Build (or resume, or confirm) the cache; the arguments are `build_cache`'s, checked, and
+    `pipeline`: a lazy pipeline's filter and map steps, ("filter" | "map", function), applied to
+    each record (read whole) before its text is taken; their fingerprints join the spec."""
     started = time.perf_counter()
     storage = open_storage(output, storage_options)
     resolved = resolve_inputs(inputs, storage_options)
     sources = resolved if isinstance(resolved, list) else None
-    whole = input_format != "text" or bool(keep_fields)  # records are read whole (format v3)
+    whole = input_format != "text" or bool(keep_fields) or bool(pipeline)  # records read whole
     if whole:
         for s in sources or []:
             if s.kind != "jsonl":
-                raise ValueError(f"{s.path}: input_format={input_format!r} and keep_fields read JSON "
-                                 "lines files (or an iterable of dicts), not "
+                raise ValueError(f"{s.path}: input_format={input_format!r}, keep_fields and pipelines "
+                                 "read JSON lines files (or an iterable of dicts), not "
                                  f"{s.kind} inputs; convert it to JSON lines")
     if tokenizer is None:
         tok = None
@@ -131,10 +135,13 @@ def run_build(inputs: Any, output: str | os.PathLike, tokenizer: TokenizerLike |
     }
     if documents is not None:
         spec["documents"] = documents
+    if pipeline:  # what each step does is part of the cache's identity
+        spec["pipeline"] = [{"step": kind, "function": function_fingerprint(fn)} for kind, fn in pipeline]
     _check_output_path(storage)
     storage.makedirs()
     job = BuildJob.for_spec(storage, spec, None if tok is None else tokenizer_json, on_error,
-                            storage_options, template.name if template is not None else None)
+                            storage_options, template.name if template is not None else None,
+                            tuple((kind, pack_function(fn)) for kind, fn in pipeline))
     lock = acquire_lock(storage)
     try:
         existing = open_existing(storage, spec)
@@ -142,7 +149,7 @@ def run_build(inputs: Any, output: str | os.PathLike, tokenizer: TokenizerLike |
         if existing is not None:
             if sources is None:
                 if existing["complete"]:
-                    _check_iterable(storage, existing, resolved, objects=job.documents is not None)
+                    _check_iterable(storage, existing, resolved, objects=job.reads_whole_records)
             else:
                 restamped = _check_finished_inputs(storage, existing, sources, job)
                 _rewrite_pending(storage, existing, sources, job)
@@ -216,7 +223,7 @@ def _check_finished_inputs(storage: Storage, existing: dict[str, Any], sources: 
             continue
         if recorded.get("digest") is None and recorded["records"]:
             continue  # a cache made before digests were recorded: nothing to compare with
-        whole = job.documents is not None
+        whole = job.reads_whole_records
         records = iter_records(source, None if whole else job.text_key, 0, "skip",
                                job.storage_options, tokens=job.tokenizer_json is None and not whole)
         if content_identity(records) != (recorded["records"], recorded.get("digest")):

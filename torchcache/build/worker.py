@@ -22,6 +22,7 @@ from ..format.storage import Storage
 from .tokenizing import DocumentEncoder
 from .chat import mask_runs
 from .formats import RecordShaper
+from .functions import unpack_function
 from ..format.documents import write_docs_file
 
 _BATCH_CHARS = 4 << 20
@@ -44,18 +45,25 @@ class BuildJob:
     storage_options: dict = field(default_factory=dict)
     vocab_size: int | None = None
     documents: dict | None = None  # the spec's "documents" (format v3), None for plain text
+    pipeline: tuple = ()  # a pipeline's steps: ("filter" | "map", packed function), in order
     template_name: str | None = None  # where the chat template came from, for messages
+
+    @property
+    def reads_whole_records(self) -> bool:
+        """Records are read whole (format v3, a pipeline's functions), not as one text field."""
+        return self.documents is not None or bool(self.pipeline)
 
     @classmethod
     def for_spec(cls, output: Storage, spec: dict[str, Any], tokenizer_json: str | None,
                  on_error: str, storage_options: dict[str, Any] | None,
-                 template_name: str | None = None) -> "BuildJob":
+                 template_name: str | None = None, pipeline: tuple = ()) -> "BuildJob":
         """The job that makes the blocks of the cache `spec` describes (a new build's spec, or
         the one a cache's manifest records, for repair), with the tokenizer `tokenizer_json`."""
         return cls(output, tokenizer_json, spec["bos_id"], spec["eos_id"],
                    str(fmt.DTYPES[spec["dtype"]]), spec["text_key"], spec["block_tokens"], on_error,
                    spec["special_tokens_as_text"], dict(storage_options or {}), spec["vocab_size"],
-                   spec.get("documents"), template_name)
+                   documents=spec.get("documents"), template_name=template_name,
+                   pipeline=tuple(pipeline))
 
 
 # ---------------------------------------------------------------- events a worker reports
@@ -154,7 +162,7 @@ def build_input(job: BuildJob, index: int, source: InputSource | Iterable[str],
     records = start["records"]
     block_no = start["blocks"]
     digest = start.get("digest")  # None for caches built before inputs were identified by content
-    whole = job.documents is not None  # records are read whole (v3), not as one text field
+    whole = job.reads_whole_records
     if isinstance(source, InputSource):
         stream = iter_records(source, None if whole else job.text_key, records, job.on_error,
                               job.storage_options, tokens=job.tokenizer_json is None and not whole,
@@ -247,11 +255,39 @@ class _BlockBuilder:
 
 
 def _shaper(job: BuildJob) -> Callable[[Record], Any] | None:
-    """For a v3 build: record -> Shaped document (BadRecord when it cannot be one)."""
-    if job.documents is None:
+    """For a v3 build or a pipeline: record -> Shaped document (BadRecord when it cannot be one;
+    reason "filtered" for a record a pipeline's filter leaves out)."""
+    if not job.reads_whole_records:
         return None
-    shape = RecordShaper(job.documents, job.text_key, job.template_name)
-    return lambda record: shape(record.obj)
+    documents = job.documents or {"input_format": "text", "train_on": None, "keep_fields": [],
+                                  "chat_template": None}
+    shape = RecordShaper(documents, job.text_key, job.template_name)
+    steps = [(kind, unpack_function(packed)) for kind, packed in job.pipeline]
+    if not steps:
+        return lambda record: shape(record.obj)
+    return lambda record: shape(run_steps(steps, record.obj))
+
+
+def run_steps(steps: list[tuple[str, Callable[[Any], Any]]], record: Any) -> Any:
+    """A record through a pipeline's filter and map steps (BadRecord "filtered" when a filter
+    leaves it out, "map_error" when a step raises or a map returns something else than a dict)."""
+    for kind, fn in steps:
+        try:
+            result = fn(record)
+        except Exception as error:  # noqa: BLE001 - the user's function: its error names the record
+            bad = BadRecord("map_error", f"the {kind} step {fn.__qualname__} raised "
+                                         f"{type(error).__name__}: {error}")
+            bad.__cause__ = error
+            raise bad from error
+        if kind == "filter":
+            if not result:
+                raise BadRecord("filtered", "left out by the pipeline's filter")
+        elif not isinstance(result, dict):
+            raise BadRecord("map_error", f"the map step {fn.__qualname__} returned a "
+                                         f"{type(result).__name__}, not a record (a dict)")
+        else:
+            record = result
+    return record
 
 
 def _document_encoder(job: BuildJob) -> Callable[[list[tuple[Record, Any, Any]]], list[_Encoded]]:
@@ -348,8 +384,9 @@ class _Batches:
                     continue
                 try:
                     shaped, content = self._content(record)
-                except BadRecord as bad:
-                    self._count(raise_or_count(self.where(record.number), bad, self.on_error))
+                except BadRecord as bad:  # (a record a filter leaves out is counted, never an error)
+                    self._count(bad.reason if bad.reason == "filtered" else
+                                raise_or_count(self.where(record.number), bad, self.on_error))
                     continue
                 if content is None:
                     self._count(record.problem)

@@ -51,6 +51,7 @@ from .._util.args import (INT64_MAX, POSITION_LIMIT, bool_arg, choice_arg, index
 from ..read.cache import TokenCache
 from ..read.remote_reads import SamplerReads
 from .collate import IGNORE_INDEX
+from .sampler import SampleView
 
 __all__ = ["DocumentDataset", "GrowingDataset", "TokenDataset", "open_cache"]
 
@@ -151,6 +152,12 @@ class GrowingDataset(Dataset):
         twin = copy.copy(self)
         twin._loss_mask = True
         return twin
+
+    def shuffle(self, seed: int = 0) -> "SampleView":
+        """This dataset's items in the order ``tc.DistributedSampler(ds, seed=seed)`` reads them
+        on one rank, as an iterable (``.seek(position)`` starts it elsewhere): for scripts and
+        notebooks; training uses :class:`torchcache.DataLoader`."""
+        return SampleView(self, seed)
 
     @property
     def complete(self) -> bool:

@@ -52,6 +52,7 @@ from .dataset import DocumentDataset, TokenDataset, knows_content
 from .loader import batched_reader
 from .packed import PackedDataset
 from .recipe import mixture_from_recipe
+from .sampler import SampleView
 
 _PLANNED_PERIOD_MAX = 1 << 14  # schedule periods up to this many samples are read through a RowPlan
 _PLANS = 4  # RowPlans a mixture keeps (one per schedule period; a loader reads one at a time)
@@ -467,6 +468,12 @@ class MixtureDataset(Dataset):
     #: Global steps a :class:`torchcache.DataLoader` over this mixture never trains on (a
     #: recipe's ``skips``; see :meth:`from_recipe`).
     skipped_steps: Sequence[tuple[int, int]] = ()
+
+    def shuffle(self, seed: int = 0) -> "SampleView":
+        """The mixture's items in order, as an iterable from position 0 (``.seek(position)``
+        starts elsewhere). A mixture is already shuffled (its own `seed`): `seed` here is
+        accepted for symmetry with the other datasets and changes nothing."""
+        return SampleView(self, seed)
 
     @classmethod
     def from_recipe(cls, path: Any, **overrides: Any) -> "MixtureDataset":

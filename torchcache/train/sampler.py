@@ -724,3 +724,35 @@ class _SamplerIterator(Iterator[int]):
         if sampler._generation == self._generation:  # the live iterator: it drives the position
             sampler.position = position
         self._restart(position, remaining)
+
+
+class SampleView:
+    """A dataset's items in the order of ``DistributedSampler(dataset, seed=seed)`` on one rank,
+    from global position :attr:`position` on: an iterable for scripts and notebooks (training
+    uses :class:`torchcache.DataLoader`). Made by ``dataset.shuffle(seed)``.
+
+    >>> view = SampleView(list("abcdef"), seed=3)
+    >>> sorted(view) == list("abcdef"), list(view.seek(4)) == list(view)[4:]
+    (True, True)
+    """
+
+    def __init__(self, dataset: Any, seed: int = 0, shuffle: bool = True, position: int = 0) -> None:
+        self.dataset, self.seed, self.shuffle = dataset, seed, shuffle
+        self.position = position_arg(position, "position")
+
+    def seek(self, position: int) -> "SampleView":
+        """The same view from global position `position` (its first item is the one there)."""
+        return SampleView(self.dataset, self.seed, self.shuffle, position)
+
+    def __iter__(self) -> Iterator[Any]:
+        sampler = DistributedSampler(self.dataset, 1, 0, shuffle=self.shuffle, seed=self.seed)
+        sampler.set_position(self.position)
+        for index in sampler:
+            yield self.dataset[index]
+
+    def __len__(self) -> int:
+        return DistributedSampler(self.dataset, 1, 0).iteration_length(self.position) or 0
+
+    def __repr__(self) -> str:
+        return (f"SampleView({type(self.dataset).__name__}, seed={self.seed}, "
+                f"position={self.position})")
