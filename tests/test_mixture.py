@@ -564,10 +564,16 @@ def test_resume_with_workers_continues_the_stream():
     assert head == reference[:13]
     state = json.loads(json.dumps(first.state_dict()))
     assert state["consumed"] == 52 and state["fingerprint"] == mix.resume_fingerprint(52)
-    assert state["schedule"] == mix.resume_prefix(52)
+    prefix = mix.resume_prefix(52)  # (a state lists the sources, sorted by name)
+    assert state["schedule"] == dict(prefix, sources=[[n, *v] for n, v in sorted(prefix["sources"].items())])
     second = mix_loader(b, num_workers=2)
     second.load_state_dict(state)
     assert head + run_until(second, len(reference) - 13) == reference
+    older = {k: v for k, v in state.items() if k not in ("steps", "skips")}  # version 3: sources
+    older.update(version=3, schedule=prefix)                                 # as a mapping
+    third = mix_loader(b)
+    third.load_state_dict(older)
+    assert head + run_until(third, len(reference) - 13) == reference
     fast = mix_loader(b, prefetch_batches=2)  # the loader's read-ahead thread, no workers
     assert run_until(fast, 12) == reference[:12]
 

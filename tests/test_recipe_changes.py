@@ -135,7 +135,8 @@ def resume_with_edit(case: str):
     state = roundtrip(first.state_dict())
     position = BATCH * k
     assert state["version"] >= 2 and state["consumed"] == position
-    assert state["schedule"] == old_mix.resume_prefix(position)
+    prefix = old_mix.resume_prefix(position)  # (a state lists the sources, sorted by name)
+    assert state["schedule"] == dict(prefix, sources=[[n, *v] for n, v in sorted(prefix["sources"].items())])
     second = loader(new_mix, num_workers=workers)
     second.load_state_dict(state)
     assert second.consumed == position

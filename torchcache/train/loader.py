@@ -717,7 +717,8 @@ class DataLoader(torch.utils.data.DataLoader[T_co]):
         sampler = self.sampler
         consumed = self.consumed
         fingerprint, content = self._identity(consumed)
-        schedule = self.dataset.resume_prefix(consumed) if _edits_future(self.dataset) else None
+        schedule = _prefix_as_state(self.dataset.resume_prefix(consumed)) \
+            if _edits_future(self.dataset) else None
         return {
             "format": LOADER_STATE_FORMAT,
             "version": LOADER_STATE_VERSION,
@@ -881,7 +882,7 @@ class DataLoader(torch.utils.data.DataLoader[T_co]):
         if saved is None:
             raise ValueError("cannot load this state into DataLoader: it was not saved from a "
                              "mixture (its schedule is null), this loader reads one. " + _HINT)
-        self.dataset.check_resume(saved, checked["consumed"])
+        self.dataset.check_resume(_prefix_of_state(saved), checked["consumed"])
         if checked["fingerprint"] != self.dataset.resume_fingerprint(checked["consumed"]):
             raise ValueError("cannot load this state into DataLoader: its fingerprint does not "
                              "match the schedule it describes (edited state?). " + _HINT)
@@ -922,6 +923,31 @@ def _check_loader_args(*, batch_size: Any, num_workers: Any, pin_memory: Any, ti
     optional_int_arg(seed, "seed", 0)
     optional_int_arg(prefetch_batches, "prefetch_batches", 0)
     bool_arg(compact_transfer, "compact_transfer")
+
+
+def _prefix_as_state(prefix: dict[str, Any]) -> dict[str, Any]:
+    """A mixture's resume prefix as a state saves it (version 4): its sources as a list of
+    [name, ...] sorted by name, not a mapping, so that the state's keys never depend on the
+    position (torch.distributed.checkpoint loads a state into the keys of a fresh loader's)."""
+    sources = prefix.get("sources")
+    if isinstance(sources, Mapping):
+        prefix = dict(prefix, sources=[[name, *values] for name, values in sorted(sources.items())])
+    return prefix
+
+
+def _prefix_of_state(saved: Any) -> Any:
+    """The resume prefix a state holds, as :meth:`MixtureDataset.resume_prefix` gives it
+    (states before version 4 hold the sources as a mapping already)."""
+    if isinstance(saved, Mapping) and isinstance(saved.get("sources"), list):
+        sources = {}
+        for item in saved["sources"]:
+            if not (isinstance(item, list) and item and isinstance(item[0], str)):
+                raise ValueError(f"cannot load this state into DataLoader: state['schedule']"
+                                 f"['sources'] holds {item!r}, not [name, ...]; the state was edited "
+                                 "or corrupted")
+            sources[item[0]] = list(item[1:])
+        saved = dict(saved, sources=sources)
+    return saved
 
 
 def _edits_future(dataset: Any) -> bool:
