@@ -36,13 +36,13 @@ SCRIPT = textwrap.dedent(f"""\
 
     import torchcache as tc
 
-    cache, out, phase, workers = sys.argv[1], sys.argv[2], sys.argv[3], int(sys.argv[4])
+    cache, out, phase, workers, batch = sys.argv[1], sys.argv[2], sys.argv[3], int(sys.argv[4]), int(sys.argv[5])
     accelerator = Accelerator(cpu=True)
     model = torch.nn.Linear({SEQ}, 1)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
     ds = tc.TokenDataset(cache, seq_len={SEQ})
     sampler = tc.DistributedSampler(ds, shuffle=True, seed={SEED})
-    loader = tc.DataLoader(ds, batch_size={BATCH}, sampler=sampler, num_workers=workers)
+    loader = tc.DataLoader(ds, batch_size=batch, sampler=sampler, num_workers=workers)
     model, optimizer, loader = accelerator.prepare(model, optimizer, loader)
     rows = []
 
@@ -95,14 +95,15 @@ def expected_rows(cache: str, rank: int, world_size: int) -> list[list[list[int]
     return [batch["input_ids"].tolist() for _ in range(2) for batch in loader]
 
 
-def run_script(tmp_path: Path, cache: str, phase: str, workers: int, world_size: int) -> list[dict]:
+def run_script(tmp_path: Path, cache: str, phase: str, workers: int, world_size: int,
+               batch: int = BATCH) -> list[dict]:
     """Run the training script (torchrun with ``world_size`` > 1) -> each rank's result."""
     script = tmp_path / "train.py"
     script.write_text(SCRIPT)
     launcher = [sys.executable]
     if world_size > 1:
         launcher += ["-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(world_size)]
-    cmd = launcher + [str(script), cache, str(tmp_path), phase, str(workers)]
+    cmd = launcher + [str(script), cache, str(tmp_path), phase, str(workers), str(batch)]
     env = dict(os.environ, OMP_NUM_THREADS="1")
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env, cwd=tmp_path)
     assert proc.returncode == 0, f"{cmd} failed:\n{proc.stdout}\n{proc.stderr}"
@@ -132,6 +133,28 @@ def check_run_and_resume(tmp_path: Path, cache: str, workers: int, world_size: i
 @pytest.mark.parametrize("workers", [0, 2])
 def test_torchrun_two_processes_keep_our_batches_and_resume(tmp_path, cache, workers):
     check_run_and_resume(tmp_path, cache, workers, world_size=2)
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not (dist.is_available() and dist.is_gloo_available()), reason="needs gloo")
+def test_a_two_process_checkpoint_resumes_on_one_process(tmp_path, cache):
+    """save_state under torchrun (2 ranks x 4), load_state in one process (1 x 8, the same global
+    batch): the run continues with the global stream's next samples, none lost or repeated."""
+    run_script(tmp_path, cache, "fresh", 0, 2)  # saves its checkpoint
+    resumed = run_script(tmp_path, cache, "resume", 0, 1, batch=2 * BATCH)
+    ds = tc.TokenDataset(cache, seq_len=SEQ)
+    ranks = [tc.DataLoader(ds, batch_size=BATCH, sampler=tc.DistributedSampler(
+        ds, num_replicas=2, rank=r, shuffle=True, seed=SEED)) for r in range(2)]
+    for loader in ranks:  # where the 2-rank run saved: loader epoch 1, after SAVE_AT batches
+        list(loader)
+        it = iter(loader)
+        for _ in range(SAVE_AT):
+            next(it)
+    single = tc.DataLoader(ds, batch_size=2 * BATCH, sampler=tc.DistributedSampler(
+        ds, num_replicas=1, rank=0, shuffle=True, seed=SEED))
+    single.load_state_dict(ranks[0].state_dict())
+    expected = [batch["input_ids"].tolist() for batch in single]
+    assert resumed[0]["rows"] == expected and len(expected) > 1
 
 
 @pytest.mark.slow
