@@ -147,6 +147,21 @@ def test_ray_executor_builds_the_same_cache(tmp_path, inputs, ray_local, gpt2_to
 
 @pytest.mark.slow
 @pytest.mark.ray
+def test_a_pipeline_builds_on_ray_as_locally(tmp_path, inputs, ray_local, gpt2_tokenizer_path):
+    """A lazy pipeline's functions reach Ray tasks by value: the cache equals the local build."""
+    limit = 200
+    steps = (lambda pipe: pipe.filter(lambda r: len(r["text"]) > limit)
+             .map(lambda r: {"text": r["text"][:limit]}))
+    local = steps(tc.source(inputs)).tokenize(gpt2_tokenizer_path, block_tokens=BLOCK, num_workers=1,
+                                              progress=False).cache(tmp_path / "local")
+    steps(tc.source(inputs)).tokenize(gpt2_tokenizer_path, block_tokens=BLOCK, executor="ray",
+                                      progress=False).cache(tmp_path / "ray")
+    assert local.skipped["filtered"] > 0
+    assert tree_bytes(str(tmp_path / "ray")) == tree_bytes(str(tmp_path / "local"))
+
+
+@pytest.mark.slow
+@pytest.mark.ray
 def test_ray_executor_resumes_a_partial_build_and_reports_bad_input(tmp_path, inputs, books, ray_local,
                                                                     gpt2_tokenizer_path):
     docs = [json.dumps({"text": t}) for t in paragraphs(books, 500)]
