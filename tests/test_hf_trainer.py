@@ -196,11 +196,32 @@ def test_torchrun_two_ranks_share_and_resume_also_on_one(tmp_path, cache):
     assert sorted(steps(single)) == list(range(SAVE_AT + 1, STEPS + 1))
 
 
-def test_checkpoint_without_loader_state_is_refused(tmp_path):
-    code = ("import torchcache.integrations.transformers as m, sys\n"
-            "assert m.LOADER_STATE_NAME == 'torchcache_loader.json'\n")
-    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
-    assert proc.returncode == 0, proc.stderr
+def test_eval_datasets_work_unchanged_and_a_checkpoint_without_loader_state_is_refused(tmp_path, cache):
+    """In one process: evaluation runs on the Trainer's own loader over any dataset, and resuming
+    from a checkpoint folder that lacks torchcache_loader.json is an error naming the way out."""
+    import torch
+    from transformers import GPT2Config, GPT2LMHeadModel, TrainingArguments
+
+    from torchcache.integrations.transformers import LOADER_STATE_NAME, Trainer
+
+    torch.manual_seed(0)
+    model = GPT2LMHeadModel(GPT2Config(n_layer=1, n_head=2, n_embd=16, vocab_size=50257,
+                                       n_positions=64))
+    ds = tc.TokenDataset(cache, seq_len=SEQ, labels="same")
+    held_out = [ds[i] for i in range(4)]  # a plain list of dicts, as users often evaluate on
+    args = TrainingArguments(output_dir=str(tmp_path), max_steps=2, save_steps=2,
+                             per_device_train_batch_size=2, per_device_eval_batch_size=2,
+                             report_to="none", use_cpu=True, disable_tqdm=True)
+    trainer = Trainer(model=model, args=args, train_dataset=ds, eval_dataset=held_out)
+    trainer.train()
+    assert not isinstance(trainer.get_eval_dataloader(), tc.DataLoader)
+    assert trainer.evaluate()["eval_loss"] > 0
+    checkpoint = tmp_path / "checkpoint-2"
+    assert (checkpoint / LOADER_STATE_NAME).is_file()
+    (checkpoint / LOADER_STATE_NAME).unlink()
+    args.max_steps = 4
+    with pytest.raises(FileNotFoundError, match="ignore_data_skip=True"):
+        Trainer(model=model, args=args, train_dataset=ds).train(resume_from_checkpoint=str(checkpoint))
 
 
 def test_torchcache_does_not_import_transformers(tmp_path):
