@@ -136,7 +136,8 @@ def run_build(inputs: Any, output: str | os.PathLike, tokenizer: TokenizerLike |
     if documents is not None:
         spec["documents"] = documents
     if pipeline:  # what each step does is part of the cache's identity
-        spec["pipeline"] = [{"step": kind, "function": function_fingerprint(fn)} for kind, fn in pipeline]
+        spec["pipeline"] = [{"step": kind, "function": function_fingerprint(fn)}
+                            for kind, fn in pipeline]
     _check_output_path(storage)
     storage.makedirs()
     job = BuildJob.for_spec(storage, spec, None if tok is None else tokenizer_json, on_error,
