@@ -40,9 +40,13 @@ def test_masks_equal_the_expanded_flags(case, budget):
     try:
         # blocks load a few at a time, in different orders, next to blocks loaded before
         for rows in [starts[k:k + 2] for k in range(len(starts))] + [starts, starts[::-1]]:
-            got = table.masks(rows, length, token_starts, lambda b: runs_of(flags[b]))
-            want = np.stack([everything[s:s + length] for s in rows])
+            got = table.flags(rows, length, token_starts, lambda b: runs_of(flags[b]))
+            want = np.concatenate([everything[s:s + length] for s in rows])
             np.testing.assert_array_equal(got, want)
+            lengths = np.minimum(np.arange(len(rows)) % (length + 1), len(everything) - rows)
+            got = table.flags(rows, lengths, token_starts, lambda b: runs_of(flags[b]))
+            want = np.concatenate([everything[s:s + n] for s, n in zip(rows, lengths)])
+            np.testing.assert_array_equal(got, want)  # ranges of other lengths, empty ones too
     finally:
         trained_runs.MAX_RUNS = old
 
@@ -50,15 +54,19 @@ def test_masks_equal_the_expanded_flags(case, budget):
 def test_a_growing_cache_adds_its_new_blocks():
     table = TrainedRuns()
     first = np.array([True, False, True, True])
-    got = table.masks(np.array([0]), 4, np.array([0, 4]), lambda b: runs_of(first))
+    got = table.flags(np.array([0]), 4, np.array([0, 4]), lambda b: runs_of(first)).reshape(1, 4)
     np.testing.assert_array_equal(got[0], first)
     second = np.array([False, True])
-    got = table.masks(np.array([2]), 4, np.array([0, 4, 6]), lambda b: runs_of([first, second][b]))
+    got = table.flags(np.array([2]), 4, np.array([0, 4, 6]),
+                      lambda b: runs_of([first, second][b])).reshape(1, 4)
     np.testing.assert_array_equal(got[0], [True, True, False, True])
 
 
 @pytest.mark.parametrize("rows", [0, 3])
 def test_empty_requests(rows):
     table = TrainedRuns()
-    got = table.masks(np.zeros(rows, dtype=np.int64), 0, np.array([0, 5]), lambda b: runs_of(np.ones(5, bool)))
-    assert got.shape == (rows, 0)
+    got = table.flags(np.zeros(rows, dtype=np.int64), 0, np.array([0, 5]), lambda b: runs_of(np.ones(5, bool)))
+    assert got.shape == (0,)
+    got = table.flags(np.zeros(rows, dtype=np.int64), np.zeros(rows, dtype=np.int64), np.array([0, 5]),
+                      lambda b: runs_of(np.ones(5, bool)))
+    assert got.shape == (0,)

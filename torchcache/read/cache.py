@@ -1037,13 +1037,39 @@ class TokenCache:
         """Trained flags of the ranges [s, s + length) for each s of `starts`, as a (rows, length)
         bool array: the rows of `read_many`, for the mask (all True without a loss mask)."""
         starts = np.asarray(starts, dtype=np.int64).reshape(-1)
+        length = int_arg(length, "length", minimum=0)
         if not self.has_loss_mask:
             return np.ones((len(starts), length), dtype=bool)
         if len(starts) and (starts.min() < 0 or starts.max() + length > self.num_tokens):
             raise IndexError(f"token ranges of {length} tokens from {starts.min()} to "
                              f"{starts.max()} reach outside [0, {self.num_tokens})")
-        return self._trained.masks(starts, length, self._token_starts,
-                                   lambda b: self._block_docs(b).runs)
+        return self._trained.flags(starts, length, self._token_starts, self._block_runs) \
+            .reshape(len(starts), length)
+
+    @_locked
+    def loss_mask_ranges(self, starts: Any, lengths: Any, out: np.ndarray,
+                         out_offsets: Any) -> np.ndarray:
+        """Set ``out.reshape(-1)[out_offsets[k]:][:lengths[k]]`` to the trained flags of tokens
+        ``[starts[k], starts[k] + lengths[k])``: the mask twin of :meth:`read_ranges` (all True
+        without a loss mask). Returns `out`."""
+        starts = np.asarray(starts, dtype=np.int64).reshape(-1)
+        lengths = np.asarray(lengths, dtype=np.int64).reshape(-1)
+        out_offsets = np.asarray(out_offsets, dtype=np.int64).reshape(-1)
+        if not len(starts):
+            return out
+        if starts.min() < 0 or lengths.min() < 0 or int((starts + lengths).max()) > self.num_tokens:
+            raise IndexError(f"token ranges reach outside [0, {self.num_tokens})")
+        at = (out_offsets - (lengths.cumsum() - lengths)).repeat(lengths) + np.arange(int(lengths.sum()))
+        flat = out.reshape(-1)
+        if not self.has_loss_mask:
+            flat[at] = True
+        else:
+            flat[at] = self._trained.flags(starts, lengths, self._token_starts, self._block_runs)
+        return out
+
+    def _block_runs(self, b: int) -> np.ndarray:
+        """Block b's trained runs, (start, length) block-relative (what the runs table loads)."""
+        return self._block_docs(b).runs
 
     def document_loss_mask(self, i: int) -> np.ndarray:
         """Which tokens of document i are trained (bool, the length of `document(i)`).

@@ -32,17 +32,28 @@ class TrainedRuns:
     def __setstate__(self, state: dict[str, Any]) -> None:
         self.__init__()
 
-    def masks(self, starts: np.ndarray, length: int, token_starts: np.ndarray,
+    def flags(self, starts: np.ndarray, lengths: np.ndarray | int, token_starts: np.ndarray,
               load: Callable[[int], np.ndarray]) -> np.ndarray:
-        """Trained flags of the global ranges [s, s + length), one row each ((rows, length) bool).
+        """Trained flags of the global ranges [starts[k], starts[k] + lengths[k]), end to end in
+        one flat bool array (`lengths` an int: every range that long, as rows of a batch).
 
         token_starts: where each block starts (and the total, last); load(b): block b's runs as
         an (n, 2) array of block-relative (start, length), sorted and apart.
         """
+        equal = np.ndim(lengths) == 0
+        if equal:
+            size = len(starts) * max(int(lengths), 0)
+            if not size:
+                return np.zeros(size, dtype=bool)
+        else:
+            size = int(lengths.sum())
+            offsets = lengths.cumsum() - lengths  # where each range goes in the output
+            keep = lengths > 0  # (an empty range reads nothing, and names no block)
+            starts, lengths, offsets = starts[keep], lengths[keep], offsets[keep]
+            if not size:
+                return np.zeros(size, dtype=bool)
         rows = len(starts)
-        if not rows or length <= 0:
-            return np.zeros((rows, max(length, 0)), dtype=bool)
-        ends = starts + length
+        ends = starts + lengths
         # (numpy methods, not functions: a batch is a few dozen calls, their overhead counts)
         if self.all_loaded != len(token_starts) - 1:  # some block's runs may be missing
             blocks = token_starts.searchsorted(np.concatenate((starts, ends - 1)), "right") - 1
@@ -55,18 +66,19 @@ class TrainedRuns:
         counts = self.starts.searchsorted(ends, "left") - first
         total = int(counts.sum())
         if not total:
-            return np.zeros((rows, length), dtype=bool)
+            return np.zeros(size, dtype=bool)
         owner = np.arange(rows).repeat(counts)
         which = (first - counts.cumsum() + counts).repeat(counts) + np.arange(total)
         row_start = starts[owner]
-        shift = owner * length - row_start  # global position -> position in the flat output
+        # global position -> position in the flat output
+        shift = (owner * lengths if equal else offsets[owner]) - row_start
         bounds = np.empty(2 * total + 2, dtype=np.int64)
-        bounds[0], bounds[-1] = 0, rows * length
+        bounds[0], bounds[-1] = 0, size
         bounds[1:-1:2] = np.maximum(self.starts[which], row_start) + shift  # (runs overlap the range)
-        bounds[2:-1:2] = np.minimum(self.ends[which], row_start + length) + shift
+        bounds[2:-1:2] = np.minimum(self.ends[which], ends[owner]) + shift
         if len(self._alternating) < 2 * total + 1:
             self._alternating = np.arange(4 * total + 2) % 2 == 1  # untrained, trained, ...
-        return self._alternating[:2 * total + 1].repeat(bounds[1:] - bounds[:-1]).reshape(rows, length)
+        return self._alternating[:2 * total + 1].repeat(bounds[1:] - bounds[:-1])
 
     def _load_blocks(self, first: np.ndarray, last: np.ndarray, token_starts: np.ndarray,
                      load: Callable[[int], np.ndarray]) -> None:

@@ -88,8 +88,9 @@ def knows_content(dataset: Any) -> bool:
 _WINDOWS = "__torchcache_windows__"  # the key of the token windows in a compact batch
 
 
-def _append_bits(rows: np.ndarray, masks: np.ndarray) -> np.ndarray:
-    """`rows` (n, w) with the bits of `masks` (n, m) bool appended to each row, in `rows`' dtype."""
+def append_bits(rows: np.ndarray, masks: np.ndarray) -> np.ndarray:
+    """`rows` (n, w) with the bits of `masks` (n, m) bool appended to each row, in `rows`' dtype:
+    how a worker sends a batch's loss masks with its tokens, in one tensor (1 bit a token)."""
     bits = np.packbits(masks, axis=1)
     width = -(-bits.shape[1] // rows.itemsize)  # whole elements of rows' dtype
     out = np.zeros((len(rows), rows.shape[1] + width), dtype=rows.dtype)
@@ -98,20 +99,10 @@ def _append_bits(rows: np.ndarray, masks: np.ndarray) -> np.ndarray:
     return out
 
 
-def _split_bits(combined: np.ndarray, w: int, m: int) -> tuple[np.ndarray, np.ndarray]:
-    """The rows (n, w) and bool masks (n, m) of :func:`_append_bits`."""
+def split_bits(combined: np.ndarray, w: int, m: int) -> tuple[np.ndarray, np.ndarray]:
+    """The rows (n, w) and bool masks (n, m) of :func:`append_bits`."""
     bits = np.ascontiguousarray(combined[:, w:]).view(np.uint8)
     return combined[:, :w], np.unpackbits(bits, axis=1, count=m).view(bool)
-
-
-def pack_masks(masks: np.ndarray) -> torch.Tensor:
-    """Bool masks (rows, n) as uint8 bits (rows, ceil(n / 8)): what a worker sends (1 bit a token)."""
-    return torch.from_numpy(np.packbits(masks, axis=1))
-
-
-def unpack_masks(packed: torch.Tensor, n: int) -> np.ndarray:
-    """The bool masks (rows, n) of :func:`pack_masks`."""
-    return np.unpackbits(packed.numpy(), axis=1, count=n).view(bool)
 
 
 def masked_labels(targets: np.ndarray, trained: np.ndarray | None) -> dict[str, torch.Tensor]:
@@ -476,7 +467,7 @@ class TokenDataset(GrowingDataset):
         idx = self._check(indices)
         windows = self._read(idx)
         if self._loss_mask:  # the mask's bits ride at the end of each row: one tensor to send
-            windows = _append_bits(windows, self._masks(idx))
+            windows = append_bits(windows, self._masks(idx))
         signed = np.int16 if windows.dtype.itemsize == 2 else np.int32  # torch-friendly view
         batch = {_WINDOWS: torch.from_numpy(windows.view(signed))}
         if self.document_boundaries:
@@ -503,7 +494,7 @@ class TokenDataset(GrowingDataset):
         windows = compact.pop(_WINDOWS).numpy().view(self.cache.dtype)
         masks = None
         if self._loss_mask:
-            windows, masks = _split_bits(windows, self.seq_len + 1, self.seq_len)
+            windows, masks = split_bits(windows, self.seq_len + 1, self.seq_len)
         return {**self.batch_from_windows(windows, masks), **compact}
 
     def _boundaries(self, sample: int) -> tuple[np.ndarray, np.ndarray, int]:

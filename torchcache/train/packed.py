@@ -50,7 +50,7 @@ import torch
 
 from .._util.args import POSITION_LIMIT, choice_arg, int_arg, optional_int_arg, unsigned_max
 from .collate import IGNORE_INDEX
-from .dataset import GrowingDataset, masked_labels, open_cache, pack_masks, unpack_masks
+from .dataset import GrowingDataset, append_bits, masked_labels, open_cache, split_bits
 from ..read.pack_plan import PackPlan, plan_identity
 from ..order.packing import LONG_DOCS
 from ..read.cache import TokenCache
@@ -59,7 +59,6 @@ __all__ = ["PackedDataset"]
 
 _TOKENS = "__torchcache_packed_tokens__"  # a compact batch's tokens, [rows, seq_len + 1]
 _CONTINUES = "__torchcache_packed_continues__"  # the row's last token has a next token (split piece)
-_MASKS = "__torchcache_packed_loss_mask__"  # a compact batch's label masks, bit-packed per row
 _NO_ROWS = np.empty(0, dtype=np.int64)
 
 
@@ -69,30 +68,6 @@ def _columns(seq_len: int) -> np.ndarray:
     columns = np.arange(seq_len)
     columns.flags.writeable = False
     return columns
-
-
-def read_mask_ranges(cache: TokenCache, starts: np.ndarray, lengths: np.ndarray, out: np.ndarray,
-                     offsets: np.ndarray) -> None:
-    """Set ``out.reshape(-1)[offsets[k]:offsets[k] + lengths[k]]`` to the trained flags of tokens
-    ``[starts[k], starts[k] + lengths[k])``: the mask twin of ``cache.read_ranges``. Ranges are
-    read in groups of similar length (powers of two), one vectorised ``loss_masks`` call each."""
-    flat = out.reshape(-1)
-    keep = lengths > 0
-    starts, lengths, offsets = starts[keep], lengths[keep], offsets[keep]
-    if not len(starts):
-        return
-    widths = np.left_shift(1, np.ceil(np.log2(lengths)).astype(np.int64))
-    for width in np.unique(widths).tolist():
-        k = np.flatnonzero(widths == width)
-        n = lengths[k]
-        w = int(n.max())  # <= num_tokens, as every range lies in the cache
-        read_from = np.minimum(starts[k], cache.num_tokens - w)  # no read past the end
-        masks = cache.loss_masks(read_from, w)
-        columns = (starts[k] - read_from)[:, None] + np.arange(w)
-        inside = np.arange(w) < n[:, None]
-        values = np.take_along_axis(masks, np.minimum(columns, w - 1), axis=1)[inside]
-        at = np.repeat(offsets[k] - (np.cumsum(n) - n), n) + np.arange(int(n.sum()))
-        flat[at] = values
 
 
 def _restarts(cu: np.ndarray, seq_len: int) -> np.ndarray:
@@ -296,14 +271,13 @@ class PackedDataset(GrowingDataset):
         DataLoader worker sends (4-8x less than the int64 batch); :meth:`expand_batch` widens it.
         """
         tokens, cu, num_segments, continues, _, _, masks = self._read_rows(self._check(indices))
+        if masks is not None:  # the mask's bits ride at the end of each row (one tensor to send)
+            tokens = append_bits(tokens, masks)
         signed = np.int16 if tokens.dtype.itemsize == 2 else np.int32
-        compact = {_TOKENS: torch.from_numpy(tokens.view(signed)),
-                   _CONTINUES: torch.from_numpy(continues),
-                   "cu_seqlens": torch.from_numpy(cu),
-                   "num_segments": torch.from_numpy(num_segments)}
-        if masks is not None:
-            compact[_MASKS] = pack_masks(masks)
-        return compact
+        return {_TOKENS: torch.from_numpy(tokens.view(signed)),
+                _CONTINUES: torch.from_numpy(continues),
+                "cu_seqlens": torch.from_numpy(cu),
+                "num_segments": torch.from_numpy(num_segments)}
 
     def expand_batch(self, compact: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """A :meth:`compact_batch` as the training batch (int64 ids, labels and positions)."""
@@ -313,6 +287,9 @@ class PackedDataset(GrowingDataset):
         tokens = compact[_TOKENS].numpy().view(self.cache.dtype)
         cu, num_segments = compact["cu_seqlens"].numpy(), compact["num_segments"].numpy()
         C = self.seq_len
+        masks = None
+        if self._loss_mask:
+            tokens, masks = split_bits(tokens, C + 1, C)
         # the pieces back from the table: row r's ends are cu[r, 1:num_segments[r] + 1]; each
         # ends its document but a split piece, the one piece of a continuing row, ending at C
         most = int(num_segments.max()) if len(num_segments) else 0
@@ -320,8 +297,6 @@ class PackedDataset(GrowingDataset):
         document_ends = ((np.arange(most) < num_segments[:, None])
                          & ~(compact[_CONTINUES].numpy()[:, None] & (ends == C)))
         ends += np.arange(0, len(cu) * C, C)[:, None]
-        masks = compact.get(_MASKS)
-        masks = None if masks is None else unpack_masks(masks, C)
         return self._training_batch(tokens, cu, num_segments, ends[document_ends], _restarts(cu, C),
                                     masks)
 
@@ -376,7 +351,7 @@ class PackedDataset(GrowingDataset):
         masks = None
         if self._loss_mask:  # label j of a piece: is token j + 1 of it (or the one after) trained
             masks = np.zeros((n, C), dtype=bool)
-            read_mask_ranges(self.cache, segments.start + 1, length - 1 + piece_continues, masks, at)
+            self.cache.loss_mask_ranges(segments.start + 1, length - 1 + piece_continues, masks, at)
         return (tokens, cu, count.astype(np.int64, copy=False), continues, stops[~piece_continues],
                 _restarts(cu, C), masks)
 
