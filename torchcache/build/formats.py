@@ -58,14 +58,17 @@ def documents_spec(input_format: str, keep_fields: Sequence[str], template: Chat
 
 
 class RecordShaper:
-    """Turns records (parsed JSON objects) into `Shaped` documents for one build's spec."""
+    """Turns records (parsed JSON objects) into `Shaped` documents for one build's spec
+    (`documents` None: a text cache's, whose records a pipeline reads whole)."""
 
-    def __init__(self, documents: dict[str, Any], text_key: str, template_name: str | None = None):
-        self.format = documents["input_format"]
+    def __init__(self, documents: dict[str, Any] | None, text_key: str,
+                 template_name: str | None = None):
+        documents = documents or {}
+        self.format = documents.get("input_format", "text")
         self.text_key = text_key
-        self.train_on = documents["train_on"] or "assistant"
-        self.keep = tuple(documents["keep_fields"])
-        source = documents["chat_template"]
+        self.train_on = documents.get("train_on") or "assistant"
+        self.keep = tuple(documents.get("keep_fields", ()))
+        source = documents.get("chat_template")
         self.template = None if source is None else ChatTemplate(
             source, documents.get("chat_special_tokens") or {}, name=template_name, now=BUILD_MOMENT)
 

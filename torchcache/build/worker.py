@@ -187,7 +187,7 @@ def build_input(job: BuildJob, index: int, source: InputSource | Iterable[str],
         where = lambda number: f"{path}:{number}"  # noqa: E731 - file:line, as for text records
     else:
         where = lambda number: f"inputs item {number}"  # noqa: E731
-    batches = _Batches(stream, skipped, _record_check(job, source), job.on_error,
+    batches = _Batches(stream, skipped, _record_check(job, source, where), job.on_error,
                        _shaper(job), where)
     for batch in batches:
         encoded = encode(batch)
@@ -259,9 +259,7 @@ def _shaper(job: BuildJob) -> Callable[[Record], Any] | None:
     reason "filtered" for a record a pipeline's filter leaves out)."""
     if not job.reads_whole_records:
         return None
-    documents = job.documents or {"input_format": "text", "train_on": None, "keep_fields": [],
-                                  "chat_template": None}
-    shape = RecordShaper(documents, job.text_key, job.template_name)
+    shape = RecordShaper(job.documents, job.text_key, job.template_name)
     steps = [(kind, unpack_function(packed)) for kind, packed in job.pipeline]
     if not steps:
         return lambda record: shape(record.obj)
@@ -330,8 +328,10 @@ def _document_encoder(job: BuildJob) -> Callable[[list[tuple[Record, Any, Any]]]
     return encode
 
 
-def _record_check(job: BuildJob, source: Any) -> Callable[[Record, Any], tuple[str, BadRecord] | None]:
-    """(where, why) if a record's pre-tokenized ids fall outside the vocabulary, else None."""
+def _record_check(job: BuildJob, source: Any,
+                  where_is: Callable[[int], str]) -> Callable[[Record, Any], tuple[str, BadRecord] | None]:
+    """(where, why) if a record's pre-tokenized ids fall outside the vocabulary, else None: where
+    is its sample key in a tar, else `where_is(record number)` (file:line)."""
     limit = job.vocab_size if job.vocab_size is not None else np.iinfo(np.dtype(job.dtype)).max + 1
     name = getattr(source, "path", "inputs item")
 
@@ -343,7 +343,7 @@ def _record_check(job: BuildJob, source: Any) -> Callable[[Record, Any], tuple[s
         if low >= 0 and high < limit:
             return None
         bad = low if low < 0 else high
-        where = f"{name}: sample {record.key!r}" if record.key is not None else f"{name}:{record.number}"
+        where = f"{name}: sample {record.key!r}" if record.key is not None else where_is(record.number)
         return (where, BadRecord("bad_tokens", f"token id {bad} is outside the vocabulary "
                                                f"[0, {limit}); pass the right vocab_size"))
     return check
@@ -387,9 +387,6 @@ class _Batches:
                 except BadRecord as bad:  # (a record a filter leaves out is counted, never an error)
                     self._count(bad.reason if bad.reason == "filtered" else
                                 raise_or_count(self.where(record.number), bad, self.on_error))
-                    continue
-                if content is None:
-                    self._count(record.problem)
                     continue
                 if not len(content):
                     self._count("empty")
