@@ -18,13 +18,14 @@ reads an open file, an object) is refused at once with the reason.
 
 from __future__ import annotations
 
+import inspect
 import os
 from dataclasses import dataclass, field, replace
 from typing import Any, Callable
 
 import torchcache as tc
 
-from .build.api import checked_build_arguments
+from .build.api import build_cache, checked_build_arguments
 from .build.engine import progress_enabled, run_build
 from .build.functions import function_fingerprint
 from .read.cache import TokenCache
@@ -119,10 +120,10 @@ _BUILD_OPTIONS = {"block_tokens", "num_workers", "on_error", "executor", "eos", 
 
 
 def _build_options(**options: Any) -> dict[str, Any]:
-    """build_cache's arguments (its defaults, then `options`), checked as build_cache checks them."""
-    arguments = dict(block_tokens=2 ** 24, num_workers=None, on_error="raise", executor="local",
-                     eos="auto", bos=None, special_tokens_as_text=None, vocab_size=None,
-                     allow_empty=False, input_format="text", chat_template=None,
-                     train_on="assistant", keep_fields=())
+    """build_cache's arguments (its own defaults, then `options`), checked as build_cache checks
+    them."""
+    defaults = inspect.signature(build_cache).parameters
+    arguments = {name: defaults[name].default
+                 for name in inspect.signature(checked_build_arguments).parameters}
     arguments.update(options)
     return checked_build_arguments(**arguments)
