@@ -943,22 +943,14 @@ class TokenCache:
         if not 0 <= start <= stop <= self.num_tokens:
             raise IndexError(f"token range [{start}, {stop}) outside [0, {self.num_tokens}): "
                              "give 0 <= start <= stop <= num_tokens")
-        pieces: list[tuple[int, int, int]] = []
-        pos = start
-        b = int(np.searchsorted(self._token_starts, start, side="right")) - 1
-        while pos < stop:
-            base, block_end = int(self._token_starts[b]), min(stop, int(self._token_starts[b + 1]))
-            offsets = self.block_offsets(b)
-            local = int(np.searchsorted(offsets, pos - base, side="right")) - 1
-            while pos < block_end:
-                doc_start = base + int(offsets[local])
-                doc_end = min(base + int(offsets[local + 1]), block_end)
-                if doc_end > pos:
-                    pieces.append((int(self._doc_starts[b]) + local, pos - doc_start, doc_end - doc_start))
-                pos = max(pos, doc_end)
-                local += 1
-            b += 1
-        return pieces
+        if start == stop:
+            return []
+        first = self.document_at(start)
+        # where the range's documents begin (empty ones too: they repeat a position)
+        bounds = [start, *self.document_starts_in(start, stop).tolist(), stop]
+        begins = [self.document_span(first)[0], *bounds[1:-1]]
+        return [(first + k, a - begin, b - begin)
+                for k, (a, b, begin) in enumerate(zip(bounds, bounds[1:], begins)) if b > a]
 
     def document_key(self, i: int) -> str | None:
         """The source sample key of document i (webdataset `__key__`), or None if not recorded.
