@@ -578,15 +578,20 @@ class DocumentDataset(GrowingDataset):
         documents = list(torch.split(tokens, lengths.tolist()))
         if not self._loss_mask:
             return documents
-        return [self._labelled(doc, start) for doc, start in zip(documents, spans[:, 0].tolist())]
+        # label j of a document is its token j + 1 where that is trained (the last has none):
+        # the masks of all the documents' next tokens, in one read
+        offsets = np.cumsum(lengths) - lengths
+        trained = np.zeros(int(lengths.sum()), dtype=bool)
+        following = np.maximum(lengths - 1, 0)
+        self.cache.loss_mask_ranges(np.where(following > 0, spans[:, 0] + 1, 0), following, trained,
+                                    offsets)
+        return [self._labelled(doc, flags)
+                for doc, flags in zip(documents, np.split(trained, offsets[1:]))]
 
-    def _labelled(self, doc: torch.Tensor, start: int) -> dict[str, torch.Tensor]:
-        """Document ``doc`` (its first token at ``start``) with next-token labels and loss mask."""
-        n = len(doc)
-        trained = np.zeros(n, dtype=bool)
-        if n > 1:
-            trained[:-1] = self.cache.loss_mask(start + 1, start + n)
-        targets = np.zeros(n, dtype=np.int64)
+    def _labelled(self, doc: torch.Tensor, trained: np.ndarray) -> dict[str, torch.Tensor]:
+        """Document ``doc`` with next-token labels and loss mask (``trained``: whether each
+        token's next token is trained)."""
+        targets = np.zeros(len(doc), dtype=np.int64)
         targets[:-1] = doc.numpy()[1:]
         return {"input_ids": doc, **masked_labels(targets, trained)}
 
