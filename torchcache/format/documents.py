@@ -32,9 +32,6 @@ _OPTIONAL = ("mask", "fields", "field_offsets")
 MAX_FIELDS_BYTES = 1 << 30
 
 
-docs_name = fmt.docs_name
-
-
 def has_documents(spec: dict[str, Any]) -> bool:
     """True for a cache that keeps a documents sidecar per block (format v3)."""
     return spec.get("documents") is not None
@@ -64,18 +61,6 @@ class BlockDocuments:
         if self.fields is None:
             return {}
         return json.loads(self.fields[int(self.field_offsets[d]): int(self.field_offsets[d + 1])])
-
-    def trained(self, start: int, stop: int) -> np.ndarray:
-        """Which tokens [start, stop) of the block are trained (all False without a mask)."""
-        out = np.zeros(max(stop - start, 0), dtype=bool)
-        if self.runs is None or not len(self.runs):
-            return out
-        starts, ends = self.runs[:, 0], self.runs[:, 0] + self.runs[:, 1]
-        first = int(np.searchsorted(ends, start, side="right"))
-        last = int(np.searchsorted(starts, stop, side="left"))
-        for a, b in zip(starts[first:last], ends[first:last]):
-            out[max(a, start) - start: min(b, stop) - start] = True
-        return out
 
 
 def write_docs_file(storage: Storage, rel_path: str, records: Sequence[int], runs: np.ndarray | None,

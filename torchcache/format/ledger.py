@@ -169,7 +169,7 @@ class BlockTable:
 
     def docs_path(self, b: int) -> str:
         """Block b's documents sidecar (v3 caches only)."""
-        return documents.docs_name(self.path(b))
+        return fmt.docs_name(self.path(b))
 
     def checksum(self, b: int, field: str = "checksum") -> str:
         return "sha256:" + self.records[field][b].tobytes().hex()
@@ -195,7 +195,7 @@ class BlockTable:
         if self.has_keys(b):
             entry.update(keys=fmt.keys_name(path), keys_checksum=self.checksum(b, "keys_checksum"))
         if self.docs:
-            entry.update(docs=documents.docs_name(path), docs_checksum=self.checksum(b, "keys_checksum"))
+            entry.update(docs=fmt.docs_name(path), docs_checksum=self.checksum(b, "keys_checksum"))
         return entry
 
 
