@@ -52,7 +52,7 @@ def test_pipe_webdataset_shard_converts_like_the_file(tmp_path, gpt2_tokenizer_p
 
 
 def test_a_failing_pipe_command_is_an_io_error_not_damage(tmp_path, gpt2_tokenizer_path, monkeypatch):
-    import torchcache.build.inputs as inputs_module
+    import torchcache.builder.inputs as inputs_module
     monkeypatch.setattr(inputs_module, "_RETRY_DELAY", 0.001)
     for on_error in ("raise", "skip"):  # never skipped: the rest of the input was not read
         with pytest.raises(OSError, match="exited with status 1"):

@@ -1,4 +1,4 @@
-"""Chat records to text, trained spans and token masks (torchcache.build.chat).
+"""Chat records to text, trained spans and token masks (torchcache.builder.chat).
 
 The main check is an oracle: hundreds of generated conversations (real paragraphs, some unicode,
 some system prompts) whose text and trained spans are built in Python piece by piece, without the
@@ -23,10 +23,10 @@ from tokenizers import Tokenizer
 from tokenizers.processors import TemplateProcessing
 
 from conftest import paragraphs
-from torchcache.build.chat import (TRAIN_ON, ChatTemplate, load_chat_template, mask_from_runs,
+from torchcache.builder.chat import (TRAIN_ON, ChatTemplate, load_chat_template, mask_from_runs,
                                    mask_runs, normalize_messages, render_prompt_completion,
                                    render_record, trained_token_mask)
-from torchcache.build.records import SKIP_REASONS, BadRecord
+from torchcache.builder.records import SKIP_REASONS, BadRecord
 
 # the GPT-NeoX tokenizer of the shared data beside the project (2.4 MB, not bundled): used when there
 NEOX = Path(__file__).resolve().parents[2] / "shared/data/tokenizers/gpt-neox-20b/tokenizer.json"

@@ -13,7 +13,7 @@ from tokenizers import Tokenizer
 import torchcache as tc
 from test_chat import (CHATML, LLAMA3, SPECIAL, chatml_pieces, expected, generate_conversations,
                        llama3_pieces, loop_mask, variant)
-from torchcache.build.chat import TRAIN_ON
+from torchcache.builder.chat import TRAIN_ON
 
 CHAT_TOKENS = ["<|im_start|>", "<|im_end|>", "<|begin_of_text|>", "<|start_header_id|>",
                "<|end_header_id|>", "<|eot_id|>"]
@@ -88,7 +88,7 @@ def test_a_tokenizer_with_a_normalizer_masks_by_its_offsets(tmp_path, chat_token
     """NFC changes lengths, so token bytes cannot be summed: the tokenizer's own character
     offsets decide, and the masks still equal the oracle's (unicode content included)."""
     from tokenizers import normalizers
-    from torchcache.build.tokenizing import token_byte_lengths
+    from torchcache.builder.tokenizing import token_byte_lengths
     _, plain = chat_tokenizer
     tok = Tokenizer.from_str(plain.to_str())
     tok.normalizer = normalizers.NFC()

@@ -37,7 +37,7 @@ import torchcache as tc
 from torchcache import cli
 from torchcache.format import blocks as fmt
 from torchcache.read import cache as read_module
-from torchcache.build.verify import Problem, check_cache
+from torchcache.builder.verify import Problem, check_cache
 from torchcache.format.ledger import read_manifest
 from torchcache.format.storage import LocalStorage
 

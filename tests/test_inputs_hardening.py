@@ -23,10 +23,10 @@ from fsspec.implementations.local import LocalFileSystem
 from fsspec.utils import stringify_path
 
 import torchcache as tc
-import torchcache.build.inputs as inputs_module
+import torchcache.builder.inputs as inputs_module
 from torchcache.format.ledger import read_manifest
 from torchcache.errors import InputChangedError, InputError
-from torchcache.build.inputs import iter_records, iter_strings, resolve_inputs
+from torchcache.builder.inputs import iter_records, iter_strings, resolve_inputs
 
 BLOCK = 2_000
 

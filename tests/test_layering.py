@@ -16,9 +16,9 @@ import pytest
 PACKAGE = pathlib.Path(__file__).resolve().parent.parent / "torchcache"
 
 # Bottom to top: a module may import modules of its own folder and of the folders below it, never
-# above (docs/architecture.md). `read` sits below `build` because verify and repair read a cache
+# above (docs/architecture.md). `read` sits below `builder` because verify and repair read a cache
 # through the same checked file access as TokenCache; the read side never imports the build side.
-FOLDERS = ["errors", "_util", "order", "format", "read", "build", "train", "integrations", "pipeline",
+FOLDERS = ["errors", "_util", "order", "format", "read", "builder", "train", "integrations", "pipeline",
            "cli", "__init__",
            "__main__"]
 FOLDER_RANK = {folder: rank for rank, folder in enumerate(FOLDERS)}
@@ -191,7 +191,7 @@ def test_function_level_imports_are_only_optional_extras(name):
 def test_the_build_side_and_plans_do_not_import_torch():
     """Build workers and pack planners start fresh interpreters: importing torch (~2 s) in each
     would dominate small jobs. Only the training side (datasets, loader) imports it."""
-    code = ("import sys, torchcache, torchcache.build.api, torchcache.read.pack_plan, torchcache.build.worker, "
+    code = ("import sys, torchcache, torchcache.builder.api, torchcache.read.pack_plan, torchcache.builder.worker, "
             "torchcache.cli, torchcache.train.recipe; "
             "print('torch' in sys.modules)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)

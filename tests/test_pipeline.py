@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 import torchcache as tc
-from torchcache.build.functions import (FunctionError, function_fingerprint, pack_function,
+from torchcache.builder.functions import (FunctionError, function_fingerprint, pack_function,
                                         unpack_function)
 from conftest import paragraphs, python_with_hooks, tree_bytes
 

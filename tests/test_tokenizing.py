@@ -8,7 +8,7 @@ import numpy as np
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from torchcache.build.tokenizing import DocumentEncoder, can_cut_safely, cut_text
+from torchcache.builder.tokenizing import DocumentEncoder, can_cut_safely, cut_text
 from torchcache.format.tokenizer import load_tokenizer
 
 _ALPHABET = st.sampled_from(["\n", "\n\n", " ", "  ", "\t", "\r", "a", "B", "7", ".", "'s", "é",

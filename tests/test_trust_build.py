@@ -14,7 +14,7 @@ from conftest import (build_killed_at_commit, moto_s3, paragraphs, python_with_h
                       write_jsonl)
 
 import torchcache as tc
-import torchcache.build.engine as engine
+import torchcache.builder.engine as engine
 from torchcache.errors import InputChangedError, InputError
 from torchcache.format.ledger import read_manifest
 

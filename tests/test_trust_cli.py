@@ -21,7 +21,7 @@ import pytest
 from conftest import paragraphs, write_jsonl
 
 import torchcache as tc
-from torchcache.build.engine import default_workers
+from torchcache.builder.engine import default_workers
 
 CLI = [sys.executable, "-m", "torchcache"]
 BLOCK = 2_000

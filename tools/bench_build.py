@@ -106,7 +106,7 @@ def timed_build(inputs: list[str], out: str, tokenizer: str, workers: int | None
 def chat_comparison(chat_dir: str, tokenizer: str, workers: int | None) -> None:
     """A chat build against a text build of the same rendered text; mask storage; masked reads."""
     import torchcache as tc
-    from torchcache.build.chat import ChatTemplate, normalize_messages
+    from torchcache.builder.chat import ChatTemplate, normalize_messages
     shards = sorted(glob.glob(os.path.join(chat_dir, "*.jsonl")))
     if not shards:
         raise SystemExit(f"no *.jsonl in {chat_dir}")

@@ -5,12 +5,12 @@ from __future__ import annotations
 import importlib
 from typing import Any
 
-from .build.api import build_cache
-from .build.convert import convert_webdataset
-from .build.engine import BuildResult
-from .build.handle import BuildHandle
-from .build.repair import RepairResult, repair_cache
-from .build.verify import Problem, check_cache, verify_cache
+from .builder.api import build_cache
+from .builder.convert import convert_webdataset
+from .builder.engine import BuildResult
+from .builder.handle import BuildHandle
+from .builder.repair import RepairResult, repair_cache
+from .builder.verify import Problem, check_cache, verify_cache
 from .errors import BuildError, CacheFormatError, InputChangedError, InputError
 from .read.cache import TokenCache
 

@@ -28,14 +28,14 @@ import torchcache
 
 from . import __version__
 from ._util.args import POSITION_LIMIT, int_arg, optional_int_arg
-from .build.api import build_cache
-from .build.commit import acquire_lock
-from .build.convert import convert_webdataset
-from .build.chat import TRAIN_ON
-from .build.engine import default_workers, progress_enabled
-from .build.formats import INPUT_FORMATS
-from .build.repair import repair_cache
-from .build.verify import Problem, check_cache, verify_cache
+from .builder.api import build_cache
+from .builder.commit import acquire_lock
+from .builder.convert import convert_webdataset
+from .builder.chat import TRAIN_ON
+from .builder.engine import default_workers, progress_enabled
+from .builder.formats import INPUT_FORMATS
+from .builder.repair import repair_cache
+from .builder.verify import Problem, check_cache, verify_cache
 from .format import blocks as fmt
 from .format.ledger import HEAD_NAME, upgrade
 from .format.storage import is_remote, open_storage

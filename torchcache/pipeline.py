@@ -25,9 +25,9 @@ from typing import Any, Callable
 
 import torchcache as tc
 
-from .build.api import build_cache, checked_build_arguments
-from .build.engine import progress_enabled, run_build
-from .build.functions import function_fingerprint
+from .builder.api import build_cache, checked_build_arguments
+from .builder.engine import progress_enabled, run_build
+from .builder.functions import function_fingerprint
 from .read.cache import TokenCache
 
 __all__ = ["Pipeline", "PipelineCache", "source"]

@@ -43,7 +43,7 @@ def run_pool(job: BuildJob, sources: list[InputSource], todo: list[int], starts:
     Inputs are handed out one at a time, in order, to whichever worker is free.
     """
     waiting = list(todo)
-    children = [start_child("torchcache.build.executors:_pool_worker", job, sources,
+    children = [start_child("torchcache.builder.executors:_pool_worker", job, sources,
                             {i: starts[i] for i in todo}) for _ in range(workers)]
     by_conn = {child.conn: child for child in children}
     stopped: set[Child] = set()

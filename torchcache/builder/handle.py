@@ -53,7 +53,7 @@ class BuildHandle:
         handle = cls()
         sources = resolve_inputs(inputs, kwargs.get("storage_options"))
         if isinstance(sources, list) and not any(s.process_local for s in sources):
-            handle._child = start_child("torchcache.build.handle:_child_main", inputs, output, tokenizer,
+            handle._child = start_child("torchcache.builder.handle:_child_main", inputs, output, tokenizer,
                                         kwargs)
             handle._conn = handle._child.conn
             atexit.register(handle._finish_at_exit)
