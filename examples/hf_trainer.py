@@ -22,7 +22,7 @@ import argparse
 import gzip
 from pathlib import Path
 
-from transformers import GPT2Config, GPT2LMHeadModel, TrainingArguments
+from transformers import GPT2Config, GPT2LMHeadModel, TrainingArguments, set_seed
 
 import torchcache as tc
 from torchcache.integrations.transformers import Trainer
@@ -38,6 +38,7 @@ p.add_argument("--seq-len", type=int, default=64)
 p.add_argument("--batch-size", type=int, default=8, help="per process")
 p.add_argument("--accumulation", type=int, default=1, help="gradient accumulation steps")
 p.add_argument("--workers", type=int, default=2, help="DataLoader worker processes")
+p.add_argument("--seed", type=int, default=0, help="model initialisation, dropout and the shuffle")
 p.add_argument("--resume", action="store_true", help="continue from the last checkpoint in --out")
 args = p.parse_args()
 
@@ -50,6 +51,9 @@ if not tokenizer.exists():
 tc.build_cache(args.data, out / "cache", str(tokenizer), progress=False)
 
 dataset = tc.TokenDataset(out / "cache", seq_len=args.seq_len, labels="same")
+# Seed before building the model: its initial weights come from torch's global generator, so two
+# fresh runs (or a fresh run and the one it is compared with after a resume) start alike.
+set_seed(args.seed)
 model = GPT2LMHeadModel(GPT2Config(n_layer=2, n_head=2, n_embd=32, vocab_size=50257, n_positions=args.seq_len))
 training_args = TrainingArguments(
     output_dir=str(out / "checkpoints"),
@@ -60,7 +64,7 @@ training_args = TrainingArguments(
     learning_rate=1e-3,
     logging_steps=1,
     save_steps=args.save_steps,
-    seed=0,                      # also the shuffle's seed (data_seed, if set, takes precedence)
+    seed=args.seed,              # also the shuffle's seed (data_seed, if set, takes precedence)
     report_to="none",
     disable_tqdm=True,
 )

@@ -4,6 +4,7 @@
     python examples/train_lightning.py --out runs/lightning --steps 6            # writes OUT/last.ckpt
     python examples/train_lightning.py --out runs/lightning --steps 12 --resume  # continues to step 12
     torchrun --nproc_per_node 2 examples/train_lightning.py --out runs/lightning2 --steps 6
+    python examples/train_lightning.py --out runs/steps --steps 6 --infinite     # step-based
 
 `train_dataloader` returns a `tc.DataLoader` over a `tc.DistributedSampler`. Nothing else is
 needed, with Lightning's defaults:
@@ -15,6 +16,10 @@ needed, with Lightning's defaults:
   loop received), and `fit(ckpt_path=...)` loads it: the resumed run sees exactly the batches an
   uninterrupted one would (same losses, bit for bit), also with another number of processes
   (the global stream continues).
+- step-based training (`--infinite`: an infinite sampler, so the loader has no len() and
+  Lightning fetches one batch ahead of the training step) resumes exactly too: the loader leaves
+  the batch Lightning holds out of its state. The same for checkpoints that a
+  `ModelCheckpoint(every_n_train_steps=...)` writes during training.
 
 Each step prints `step N loss X`. Runs in a few seconds on a CPU.
 """
@@ -39,9 +44,11 @@ VOCAB = 50257  # GPT-2's tokenizer, bundled in tests/data
 
 
 class LitGPT(L.LightningModule):
-    def __init__(self, cache: str, seq_len: int, batch_size: int, seed: int, lr: float) -> None:
+    def __init__(self, cache: str, seq_len: int, batch_size: int, seed: int, lr: float,
+                 infinite: bool = False) -> None:
         super().__init__()
         self.cache, self.seq_len, self.batch_size, self.seed, self.lr = cache, seq_len, batch_size, seed, lr
+        self.infinite = infinite
         torch.manual_seed(seed)
         self.model = GPT(VOCAB, seq_len)
 
@@ -52,7 +59,7 @@ class LitGPT(L.LightningModule):
     def train_dataloader(self) -> tc.DataLoader:
         # Called after Lightning set up the process group: the sampler takes rank and world size.
         dataset = tc.TokenDataset(self.cache, self.seq_len)
-        sampler = tc.DistributedSampler(dataset, shuffle=True, seed=self.seed)
+        sampler = tc.DistributedSampler(dataset, shuffle=True, seed=self.seed, infinite=self.infinite)
         return tc.DataLoader(dataset, batch_size=self.batch_size, sampler=sampler)
 
     def training_step(self, batch: dict, batch_idx: int) -> torch.Tensor:
@@ -82,6 +89,8 @@ def main() -> None:
     p.add_argument("--seq-len", type=int, default=32)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--lr", type=float, default=3e-3)
+    p.add_argument("--infinite", action="store_true",
+                   help="an infinite sampler (step-based training: epochs never end)")
     args = p.parse_args()
 
     out = Path(args.out)
@@ -90,7 +99,7 @@ def main() -> None:
     trainer = L.Trainer(accelerator="cpu", devices=devices, strategy="ddp" if devices > 1 else "auto",
                         max_steps=args.steps, logger=False, enable_checkpointing=False,
                         enable_progress_bar=False, enable_model_summary=False)
-    model = LitGPT(str(out / "cache"), args.seq_len, args.batch_size, args.seed, args.lr)
+    model = LitGPT(str(out / "cache"), args.seq_len, args.batch_size, args.seed, args.lr, args.infinite)
     ckpt = out / "last.ckpt"
     trainer.fit(model, ckpt_path=str(ckpt) if args.resume and ckpt.exists() else None)
     trainer.save_checkpoint(ckpt)  # the loader's state goes in: trainer.fit_loop saves it

@@ -287,9 +287,11 @@ def test_a_template_that_is_not_prefix_stable_is_refused():
                 {"role": "user", "content": "And 3 and 3?"},
                 {"role": "assistant", "content": "<think>double</think>6"}]
     plain = ChatTemplate(variant(THINKING, tags=False))
-    with pytest.raises(ValueError, match=r"\\n\{%- for message in messages -%\}.*assistant turn at "
-                                         r"message 1.*not prefix-stable: add \{% generation %\} tags"):
+    with pytest.raises(BadRecord, match=r"\\n\{%- for message in messages -%\}.*not prefix-stable "
+                                        r"for this conversation.*assistant turn at message 1.*add "
+                                        r"\{% generation %\} tags") as raised:
         plain.render(messages, "assistant")
+    assert raised.value.reason == "unstable_template"
     # the last turn alone, the whole text, and the template with tags are all well defined
     text, spans = plain.render(messages, "last_assistant")
     assert [text[a:b] for a, b in spans] == ["<think>double</think>6<|im_end|>"]
@@ -304,7 +306,7 @@ def test_a_template_file_is_named_by_its_path(tmp_path):
     template = load_chat_template(None, str(path))
     messages = [{"role": "user", "content": "?"}, {"role": "assistant", "content": "<think>x</think>y"},
                 {"role": "user", "content": "?"}, {"role": "assistant", "content": "z"}]
-    with pytest.raises(ValueError, match=f"chat template {re.escape(str(path))}:.*not prefix-stable"):
+    with pytest.raises(BadRecord, match=f"chat template {re.escape(str(path))} is not prefix-stable"):
         template.render(messages)
 
 
@@ -370,7 +372,8 @@ def test_hugging_face_conventions():
     ("{% include 'secrets.txt' %}", "uses include \\(line 1\\).*without file access"),
     ("{% from 'macros.j2' import x %}", "uses fromimport"),
     ("{% extends 'base.j2' %}", "uses extends"),
-    ("{% for x in range(10**9) %}{% endfor %}", "failed on a conversation of 1 messages: Overflow"),
+    ("{% for x in messages[0].content.no_such_method() %}{% endfor %}",
+     "failed on a conversation of 1 messages: UndefinedError"),
     ("{% for m in messages %}", "is not valid Jinja \\(line 1:"),
 ])
 def test_sandbox_and_broken_templates_fail_naming_the_template(source, message):
@@ -405,8 +408,8 @@ def test_train_on_is_checked():
 def test_messages_and_sharegpt_normalize_alike():
     want = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"},
             {"role": "assistant", "content": "Hello"}, {"role": "tool", "content": "42"}]
-    record = {"messages": [dict(m, name="kept out") for m in want], "id": 7}
-    assert normalize_messages(record, "messages") == want
+    record = {"messages": [dict(m, name="kept") for m in want], "id": 7}
+    assert normalize_messages(record, "messages") == [dict(m, name="kept") for m in want]
     sharegpt = {"conversations": [{"from": "system", "value": "Be brief."},
                                   {"from": "human", "value": "Hi"}, {"from": "GPT", "value": "Hello"},
                                   {"from": "observation", "value": "42"}]}

@@ -219,7 +219,7 @@ def test_kept_fields_and_provenance(tmp_path, gpt2_tokenizer_path, books):
     plain = tc.TokenCache(tmp_path / "plain")
     assert json.loads((tmp_path / "plain/manifest.json").read_text())["version"] == 2
     assert json.loads((tmp_path / "kept/manifest.json").read_text())["version"] == 3
-    assert plain.document_info(5) == {"document": 5, "input": source, "record": None, "fields": {}}
+    assert plain.document_info(5) == {"document": 5, "input": source, "record": 5, "fields": {}}
     assert np.array_equal(plain.read(0, plain.num_tokens), cache.read(0, cache.num_tokens))
 
 

@@ -67,9 +67,17 @@ def joined(entries, documents: Documents) -> list[int]:
     return out
 
 
-def used_length(item) -> int:
-    """Tokens of a packed row that are documents (not padding): where its last piece ends."""
-    return int(item["cu_seqlens"][int(item["num_segments"])])
+def covered(item, packed: bool) -> list[int]:
+    """The tokens a sample's entries must name, back to back: every token of its input_ids or
+    labels. A window: input_ids, then its last label (the next token of the stream). A packed row:
+    each segment's input_ids, plus its last label where that is a token (the document goes on)."""
+    ids, labels = item["input_ids"].tolist(), item["labels"].tolist()
+    if not packed:
+        return ids + labels[-1:]
+    cu, out = item["cu_seqlens"].tolist(), []
+    for a, b in zip(cu, cu[1:int(item["num_segments"]) + 1]):
+        out += ids[a:b] + ([labels[b - 1]] if labels[b - 1] != -100 else [])
+    return out
 
 
 def no_token_reads(monkeypatch, cache: tc.TokenCache) -> None:
@@ -115,7 +123,7 @@ def test_window_documents_reproduce_the_input_ids(cache, request):
     def check_window(i: int) -> int:
         entries = ds.sample_documents(i)
         assert all(e["source"] is None for e in entries)
-        assert joined(entries, documents) == ds[i]["input_ids"].tolist()
+        assert joined(entries, documents) == covered(ds[i], packed=False)
         first = entries[0]
         assert cache.document_span(first["document"])[0] + first["start"] == i % len(ds) * SEQ
         return len(entries)
@@ -140,7 +148,7 @@ def test_window_documents_cross_blocks_and_read_no_tokens(paras, monkeypatch):
     starts = paras.block_token_starts()
     crossing = [int(s) // SEQ for s in starts[1:-1] if int(s) % SEQ]  # windows over a block edge
     assert len(crossing) >= 5
-    expected = {i: ds[i]["input_ids"].tolist() for i in crossing}
+    expected = {i: covered(ds[i], packed=False) for i in crossing}
     documents = {e["document"]: paras.document(e["document"])
                  for i in crossing for e in ds.sample_documents(i)}
     no_token_reads(monkeypatch, paras)
@@ -151,6 +159,37 @@ def test_window_documents_cross_blocks_and_read_no_tokens(paras, monkeypatch):
         assert len(blocks) == 2, i
         tokens = [documents[e["document"]][e["start"]:e["end"]].tolist() for e in entries]
         assert sum(tokens, []) == expected[i]
+
+
+def test_a_window_names_the_document_of_its_last_target(paras):
+    """A window whose last label is the first token of a document names that document (token 0
+    only), though no input_ids token comes from it; with labels="same" the window is seq_len."""
+    ds, same = tc.TokenDataset(paras, SEQ), tc.TokenDataset(paras, SEQ, labels="same")
+    starts = [paras.document_span(d)[0] for d in range(1, paras.num_documents)]
+    edges = [s // SEQ - 1 for s in starts if s % SEQ == 0 and 0 < s // SEQ <= len(ds)]
+    assert edges, "no document starts right after a window"
+    for i in edges:
+        last = ds.sample_documents(i)[-1]
+        d = paras.document_at((i + 1) * SEQ)
+        assert last == {"source": None, "document": d, "start": 0, "end": 1}
+        assert int(ds[i]["labels"][-1]) == int(paras.document(d)[0])
+        assert all(e["document"] != d for e in same.sample_documents(i))
+        assert joined(same.sample_documents(i), Documents(paras)) == same[i]["input_ids"].tolist()
+
+
+def test_a_packed_piece_that_goes_on_names_its_next_token(paras, tmp_path):
+    ds = tc.PackedDataset(paras, ROW, long_docs="truncate", plan_dir=tmp_path)
+    assert ds.truncated_documents > 0
+    documents, seen = Documents(paras), 0
+    for i in range(len(ds)):
+        item, entries = ds[i], ds.sample_documents(i)
+        for e, (_, a, b) in zip(entries, ds.row_documents(i)):
+            assert e["start"] == a and e["end"] in (b, b + 1)
+            if e["end"] == b + 1:  # a truncated document: its last label is its next token
+                seen += 1
+                assert len(documents(e["document"])) > b
+        assert joined(entries, documents) == covered(item, packed=True)
+    assert seen == ds.truncated_documents
 
 
 def test_window_indices_are_checked_like_items(paras):
@@ -184,9 +223,7 @@ def test_row_documents_reproduce_the_rows_without_padding(paras, long_docs, tmp_
     def check_row(i: int) -> tuple[int, int]:
         """(documents in row i, the latest start of one of them)."""
         entries, item = ds.sample_documents(i), ds[i]
-        used = used_length(item)
-        assert sum(e["end"] - e["start"] for e in entries) == used
-        assert joined(entries, documents) == item["input_ids"][:used].tolist()
+        assert joined(entries, documents) == covered(item, packed=True)
         assert len(entries) == int(item["num_segments"])
         return len(entries), max(e["start"] for e in entries)
 
@@ -211,8 +248,9 @@ def test_row_documents_read_no_tokens(paras, monkeypatch, tmp_path):
     ds = tc.PackedDataset(paras, ROW, plan_dir=tmp_path)
     rows = range(0, len(ds), 7)
     expected = [[(e["document"], e["start"], e["end"]) for e in ds.sample_documents(i)] for i in rows]
+    pieces = [ds.row_documents(i) for i in rows]
     no_token_reads(monkeypatch, paras)
-    assert [ds.row_documents(i) for i in rows] == expected
+    assert [ds.row_documents(i) for i in rows] == pieces
     assert [[(e["document"], e["start"], e["end"]) for e in ds.sample_documents(i)]
             for i in rows] == expected
 
@@ -236,10 +274,7 @@ def check_mixture_sample(mix, i, documents) -> str:
     entries, item = mix.sample_documents(i), mix[i]
     assert {e["source"] for e in entries} == {name}
     ds = mix.datasets[name]
-    ids = item["input_ids"].tolist()
-    if isinstance(ds, tc.PackedDataset):
-        ids = ids[:used_length(item)]
-    assert joined(entries, documents[name]) == ids
+    assert joined(entries, documents[name]) == covered(item, isinstance(ds, tc.PackedDataset))
     assert entries == [{**e, "source": name} for e in ds.sample_documents(int(local[0]))]
     return name
 
@@ -284,9 +319,6 @@ def test_nested_mixture_and_plain_sources(mixture):
         inner = mixture.sample_documents(int(local[0]))
         assert entries == [{**e, "source": f"inner/{e['source']}"} for e in inner]
         name = inner[0]["source"]
-        ids = outer[i]["input_ids"].tolist()
-        if name == "packed":
-            ids = ids[:used_length(outer[i])]
-        assert joined(inner, documents[name]) == ids
+        assert joined(inner, documents[name]) == covered(outer[i], name == "packed")
         kinds.add(name)
     assert kinds == {"plain", "web", "books", "packed"}

@@ -78,7 +78,7 @@ def test_step_samples_equal_every_ranks_batches_in_random_configurations():
         first = loaders[0].step
         for t in range(first, first + 20):
             assert loaders[0].step == t
-            assert interleaved(steps.next()) == loaders[0].step_samples(t).tolist(), (n, world, batch, t)
+            assert interleaved(steps.next()) == loaders[0].step_samples(t), (n, world, batch, t)
         checked += 1
 
 
@@ -91,21 +91,21 @@ def test_steps_survive_a_resume_at_another_world_and_batch_size():
     assert state["steps"] == [[0, 0, 2, 3, 50, False]]
     later = rank_loaders(n, 3, 2, state=state)
     assert later[0].step == 7
-    assert [later[0].step_samples(t).tolist() for t in range(7)] == before  # the past, as it was
+    assert [later[0].step_samples(t) for t in range(7)] == before  # the past, as it was
     steps = Steps(later)
     after = [interleaved(steps.next()) for _ in range(30)]  # crosses loader epochs
-    assert [later[0].step_samples(t).tolist() for t in range(7, 37)] == after
+    assert [later[0].step_samples(t) for t in range(7, 37)] == after
     saved = later[0].state_dict()
     assert saved["steps"] == [[0, 0, 2, 3, 50, False], [7, 42, 3, 2, 51, False]]
     again = rank_loaders(n, 1, 6, state=saved)  # and back to one process: the record grows
-    assert [again[0].step_samples(t).tolist() for t in range(37)] == before + after
+    assert [again[0].step_samples(t) for t in range(37)] == before + after
 
 
 def test_skipped_steps_are_never_yielded_and_stay_skipped_after_a_resume():
     n = 40
     loaders = rank_loaders(n, 2, 2)
     reference = loaders[0]
-    expected = {t: reference.step_samples(t).tolist() for t in range(60)}
+    expected = {t: reference.step_samples(t) for t in range(60)}
     for loader in loaders:
         loader.skip_steps(5, 9)
         loader.skip_steps(20, 23)
@@ -125,7 +125,7 @@ def test_skipped_steps_are_never_yielded_and_stay_skipped_after_a_resume():
 
 def test_a_skip_reaching_into_the_next_loader_epoch_continues_there():
     loader = tc.DataLoader(range(10), batch_size=3, shuffle=True, seed=1)  # 4 steps per epoch
-    expected = [loader.step_samples(t).tolist() for t in range(12)]
+    expected = [loader.step_samples(t) for t in range(12)]
     loader.skip_steps(2, 6)
     got = [batch.tolist() for batch, _ in zip(loader, range(10))]  # one `for` over the loader
     assert got == [expected[t] for t in (0, 1, 6, 7)]  # then the epoch of steps 4..7 ends
@@ -142,7 +142,7 @@ def test_skips_with_workers_and_read_ahead(workers, tmp_path, gpt2_tokenizer_pat
     loader.skip_steps(3, 7)
     got = [batch["input_ids"] for batch, _ in zip(loader, range(len(wanted)))]
     for t, ids in zip(wanted, got):
-        rows = [ds[i]["input_ids"] for i in loader.step_samples(t).tolist()]
+        rows = [ds[i]["input_ids"] for i in loader.step_samples(t)]
         assert all(np.array_equal(a.numpy(), b.numpy()) for a, b in zip(ids, rows))
 
 

@@ -78,6 +78,16 @@ def tokens_of(mix: tc.MixtureDataset, index: int) -> np.ndarray:
     return np.concatenate(parts)
 
 
+def covered(input_ids, labels, cu_seqlens, num_segments) -> np.ndarray:
+    """The tokens a packed row's documents must name: each segment's input_ids, plus its last
+    label where that is a token (the document goes on after the piece)."""
+    ids, labels, cu = np.asarray(input_ids), np.asarray(labels), np.asarray(cu_seqlens).tolist()
+    parts = []
+    for a, b in zip(cu, cu[1:int(num_segments) + 1]):
+        parts += [ids[a:b], labels[b - 1:b][labels[b - 1:b] != -100]]
+    return np.concatenate(parts)
+
+
 def test_a_resumed_run_with_a_skip_is_traced_exactly(run):
     root, recipe = run
     first = loaders(recipe, 2, 6)
@@ -97,19 +107,20 @@ def test_a_resumed_run_with_a_skip_is_traced_exactly(run):
         for rank, batch in enumerate(per_rank):
             rows = indices[rank::world]
             assert len(rows) == len(batch["input_ids"])
-            for row, ids in zip(rows.tolist(), batch["input_ids"]):
-                want = tokens_of(mix, row)
-                np.testing.assert_array_equal(ids.numpy()[:len(want)], want)
+            for k, row in enumerate(rows):
+                np.testing.assert_array_equal(
+                    covered(batch["input_ids"][k], batch["labels"][k], batch["cu_seqlens"][k],
+                            batch["num_segments"][k]), tokens_of(mix, row))
     # 1,000 random samples of the stream: their documents reproduce their tokens
     rng = np.random.default_rng(0)
     for index in rng.integers(0, 5000, 1000).tolist():
         item = mix[index]
-        want = tokens_of(mix, index)
-        np.testing.assert_array_equal(item["input_ids"].numpy()[:len(want)], want)
-        assert len(want) == int(item["cu_seqlens"][int(item["num_segments"])])  # up to padding
+        np.testing.assert_array_equal(covered(item["input_ids"], item["labels"], item["cu_seqlens"],
+                                              item["num_segments"]), tokens_of(mix, index))
         for piece in mix.sample_documents(index):
             info = mix.datasets[piece["source"]].cache.document_info(piece["document"])
-            assert (info["record"] is not None) == (piece["source"] == "web")
+            assert info["record"] == piece["document"]  # one input, every line a document
+            assert (info["fields"] != {}) == (piece["source"] == "web")
 
 
 def test_trace_prints_a_step_from_the_state(run, tmp_path):

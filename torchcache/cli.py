@@ -1,5 +1,5 @@
 """The `torchcache` command line: build, convert-webdataset, info, pack, mix plan, verify,
-upgrade, show.
+upgrade, show, trace.
 
 Every command that takes a cache or inputs reads them from fsspec URLs too (s3://, gs://...):
 `--storage-option KEY=VALUE` (repeatable) passes the store's options, and a refusal by the store
@@ -9,6 +9,8 @@ Every command that takes a cache or inputs reads them from fsspec URLs too (s3:/
 reads (in parallel, stored under CACHE/packs or --plan-dir), so training starts at once;
 `torchcache info CACHE` lists the plans stored for the cache. `torchcache mix plan recipe.yaml`
 plans a mixture schedule over caches before the run (samples, tokens, epochs per source).
+`torchcache trace RECIPE_OR_CACHE --step N` prints what a training step read: each sample's
+documents, input files and records.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ import os
 import re
 import sys
 import time
+import warnings
 from typing import Any, Sequence
 
 import numpy as np
@@ -28,6 +31,7 @@ import torchcache
 
 from . import __version__
 from ._util.args import POSITION_LIMIT, int_arg, optional_int_arg
+from ._util.flags import command_line_spelling
 from .builder.api import build_cache
 from .builder.commit import acquire_lock
 from .builder.convert import convert_webdataset
@@ -44,7 +48,7 @@ from .order.packing import LONG_DOCS
 from .read.cache import TokenCache
 from .read.cache_files import locate_cache
 from .read.pack_plan import PackPlan, PlanIdentity, default_plan_root, list_plans, plan_identity
-from .train.recipe import load_recipe, plan_recipe
+from .train.recipe import RecipeError, load_recipe, plan_recipe
 
 
 def _build(args: argparse.Namespace) -> int:
@@ -53,6 +57,7 @@ def _build(args: argparse.Namespace) -> int:
                          on_error=args.on_error, eos=_token_arg(args.eos), bos=_token_arg(args.bos),
                          special_tokens_as_text=_special_tokens_as_text(args), progress=None,
                          storage_options=args.storage_options, allow_empty=args.allow_empty,
+                         vocab_size=args.vocab_size,
                          input_format=args.input_format, chat_template=args.chat_template,
                          train_on=args.train_on, keep_fields=tuple(args.keep_field))
     return _summary(result)
@@ -409,6 +414,7 @@ def _mix_plan(args: argparse.Namespace) -> int:
 
 def _upgrade(args: argparse.Namespace) -> int:
     storage = open_storage(args.cache, args.storage_options)
+    fmt.load_manifest(storage)  # not a cache: say so, before a lock file is made there
     lock = acquire_lock(storage)  # no builder may commit while the record is rewritten
     try:
         changed = upgrade(storage)
@@ -515,7 +521,8 @@ def _trace_loader(args: argparse.Namespace) -> Any:
     if state is not None and not isinstance(state, dict):
         raise ValueError(f"--state {args.state}: not a DataLoader state (a JSON object from "
                          "loader.state_dict())")
-    if _is_cache(args.target, args.storage_options):
+    is_cache = _is_cache(args.target, args.storage_options)
+    if is_cache:
         if args.seq_len is None:
             raise ValueError(f"{args.target} is a cache: give --seq-len (and --packed for "
                              "PackedDataset rows)")
@@ -528,9 +535,16 @@ def _trace_loader(args: argparse.Namespace) -> Any:
         dataset = torchcache.MixtureDataset.from_recipe(args.target)
         global_batch = plan_recipe(args.target).global_batch
     world = args.world_size or (state or {}).get("world_size") or 1
-    batch = args.batch_size or (state or {}).get("batch_size") or (
-        global_batch // world if global_batch else None)
+    batch = args.batch_size or (state or {}).get("batch_size")
+    if not batch and global_batch:  # the recipe's: samples per step, all ranks together
+        if global_batch % world:
+            raise RecipeError(f"{args.target}: global_batch {global_batch} does not split over "
+                             f"{world} ranks: give --batch-size (per rank)")
+        batch = global_batch // world
     if not batch:
+        if not is_cache:  # (a RecipeError: its message names the recipe's key, as written)
+            raise RecipeError(f"{args.target}: give --batch-size (per rank), or --state with a "
+                              "saved loader state, or add global_batch to the recipe")
         raise ValueError("give --batch-size (per rank), or --state with a saved loader state")
     seed = args.seed if args.seed is not None else (state or {}).get("seed", 0)
     sampler = torchcache.DistributedSampler(dataset, num_replicas=world, rank=0, seed=seed)
@@ -599,27 +613,20 @@ def _runs(trained: np.ndarray | None, n: int) -> list[tuple[int, int, bool]]:
     return [(a, b, bool(trained[a])) for a, b in zip(bounds, bounds[1:])]
 
 
-# The library's messages name Python arguments; on the command line, name the flags instead.
-_FLAG_SPELLINGS = {"on_error='skip'": "--on-error skip", "allow_empty=True": "--allow-empty",
-                   "text_key": "--text-key", "block_tokens": "--block-tokens",
-                   "num_workers": "--workers",
-                   "plan_dir= (or `torchcache pack CACHE --plan-dir DIR`)": "--plan-dir DIR"}
-
-
 # A remedy only a Python caller can take (build from an iterator of strings): not on the command line.
 _PYTHON_ONLY_REMEDY = re.compile(
     r" \(to build from strings, pass an iterator[^()]*(\([^()]*\))?[^()]*\)")
 
 
 def _one_line(error: BaseException) -> str:
-    """An error as one line for the terminal, in the command line's spelling."""
+    """An error as one line for the terminal, in the command line's spelling: the library's
+    messages name Python arguments (`chat_template=`), the command line names the flags
+    (`--chat-template`). A recipe's errors name the recipe's own keys and stay as they are."""
     text = str(error).strip() or type(error).__name__
     if isinstance(error, OSError) and error.filename and str(error.filename) not in text:
         text = f"{error.filename}: {text}"
     text = _PYTHON_ONLY_REMEDY.sub("", text.splitlines()[0])
-    for python, flag in _FLAG_SPELLINGS.items():
-        text = text.replace(python, flag)
-    return text
+    return text if isinstance(error, RecipeError) else command_line_spelling(text)
 
 
 def _clear(bar: tqdm) -> None:
@@ -704,14 +711,20 @@ def make_parser() -> argparse.ArgumentParser:
                        parents=[remote])
     b.add_argument("inputs", nargs="+", help="input files, globs or directories (fsspec URLs)")
     b.add_argument("-o", "--output", required=True, help="cache directory")
-    b.add_argument("-t", "--tokenizer", required=True, help="tokenizer.json path")
+    b.add_argument("-t", "--tokenizer", default=None,
+                   help="tokenizer.json path (or its folder); omit it only for pre-tokenized "
+                        "records (--input-format tokens, with --vocab-size)")
+    b.add_argument("--vocab-size", type=int, default=None,
+                   help="without --tokenizer: the vocabulary size of pre-tokenized records (sets "
+                        "the dtype, refuses ids outside it)")
     b.add_argument("--text-key", default="text", help="JSON field holding the text (default: text)")
     b.add_argument("--block-tokens", type=int, default=2 ** 24, help="target tokens per block")
     b.add_argument("-j", "--workers", type=int, default=None, help=f"worker processes {workers}")
     b.add_argument("--on-error", choices=("raise", "skip"), default="raise",
                    help="stop at a malformed record (default) or skip and count it")
     b.add_argument("--eos", default="auto", help="EOS token id or string appended to each document, "
-                                                  "'auto' (default) or 'none'")
+                                                  "'auto' (default: the tokenizer's end-of-text; "
+                                                  "none without a tokenizer) or 'none'")
     b.add_argument("--bos", default=None, help="BOS token id or string prepended to each document")
     b.add_argument("--keep-special-tokens", action="store_true",
                    help="let special-token strings inside documents become special tokens")
@@ -863,6 +876,25 @@ _ONE_LINE_ERRORS = (ValueError, OSError, RuntimeError, IndexError, TypeError, Im
 def main(argv: Sequence[str] | None = None) -> int:
     parser = make_parser()
     args = parser.parse_args(argv)
+    python_format = warnings.formatwarning
+    warnings.formatwarning = _warning_format(args.command)
+    try:
+        return _run(args)
+    finally:
+        warnings.formatwarning = python_format
+
+
+def _warning_format(command: str) -> Any:
+    """Warnings shown as the command line shows its errors, `torchcache CMD: warning: ...`,
+    without Python's `file.py:line: UserWarning:` and source line. (Not respelled: a recipe's
+    notes name the recipe's keys.)"""
+    def format_warning(message, category, filename, lineno, line=None) -> str:
+        return f"torchcache {command}: warning: {message}\n"
+    return format_warning
+
+
+def _run(args: argparse.Namespace) -> int:
+    """The command, its failures as one line (exit code 2) and Ctrl-C as a note (130)."""
     args.storage_options = None
     try:
         args.storage_options = _storage_options(args.storage_option)

@@ -13,7 +13,9 @@ a cache, and read back as datasets (DESIGN.md §9.5).
 functions run in the build workers, which receive them by value. Each function's code and the
 values it reads are fingerprinted into the cache's spec: a changed function makes another cache,
 never a silent reuse or resume of the old one, and a function that cannot be fingerprinted (it
-reads an open file, an object) is refused at once with the reason.
+reads an open file, an object) is refused at once with the reason. A module of the user's own
+code that a step reads counts by its source (see torchcache/builder/functions.py); what a step
+reads while it runs (os.environ, a file's contents) cannot be seen.
 """
 
 from __future__ import annotations

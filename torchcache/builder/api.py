@@ -41,20 +41,23 @@ def build_cache(inputs: Any, output: str | os.PathLike, tokenizer: TokenizerLike
         output: a new or empty directory, or an fsspec URL (s3://...).
         tokenizer: a `tokenizer.json` path (or its folder) or a `tokenizers.Tokenizer` (for a
             Hugging Face fast tokenizer, its `backend_tokenizer`); None only for pre-tokenized
-            webdataset samples (see convert_webdataset).
+            inputs: input_format="tokens" records (give vocab_size) or webdataset samples (see
+            convert_webdataset).
         text_key: the JSON field or Parquet column holding the text.
         block_tokens: tokens per block (whole documents; the unit of parallelism and reading).
         num_workers: worker processes; default the CPUs this process may use (affinity, cgroup).
         on_error: "raise" stops at a bad record naming file and line; "skip" counts it.
         background: return a BuildHandle at once; training can read the committed prefix.
         executor: "local" (processes on this machine) or "ray" (tasks on a Ray cluster).
-        eos, bos: a token id, a token string, "auto" (the tokenizer's end-of-text) or None.
+        eos, bos: a token id, a token string, "auto" (the tokenizer's end-of-text; without a
+            tokenizer, none: pre-tokenized records are stored as given) or None.
         special_tokens_as_text: tokenize "<|endoftext|>" written in a document as plain text
             (default True; for input_format="messages" the rendering's special tokens are tokens,
             as Hugging Face's apply_chat_template makes them, and True is refused).
         progress: a progress bar; default on unless the TQDM_DISABLE environment variable is set.
         storage_options: fsspec options for remote inputs and outputs.
-        vocab_size: for pre-tokenized inputs only (sets the dtype, checks the ids).
+        vocab_size: for pre-tokenized inputs only, without a tokenizer (sets the dtype, refuses
+            ids outside it; default: uint32 ids, unchecked).
         allow_empty: accept a build whose inputs hold no document (else BuildError).
         input_format: "text" (one string field, `text_key`); "messages" ({"messages": [{"role",
             "content"}, ...]} or ShareGPT's {"conversations": [{"from", "value"}, ...]}, rendered

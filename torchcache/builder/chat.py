@@ -33,9 +33,11 @@ import jinja2.ext
 import numpy as np
 from jinja2 import nodes
 from jinja2.exceptions import SecurityError, TemplateError, TemplateSyntaxError
-from jinja2.sandbox import ImmutableSandboxedEnvironment
 
+from ..format.model_folder import model_file_path
 from .records import BadRecord
+from .template_limits import (BoundedSandbox, RecordLimits, RenderLimitExceeded, bound_filters,
+                              budget, instrument)
 
 INPUT_FORMATS = ("messages", "prompt_completion")
 TRAIN_ON = ("assistant", "last_assistant", "all")
@@ -46,6 +48,8 @@ SHAREGPT_ROLES = {"human": "user", "user": "user",
                   "model": "assistant", "chatgpt": "assistant",
                   "system": "system",
                   "tool": "tool", "observation": "tool"}
+# the names transformers copies a message's reasoning under (utils/chat_template_utils.py)
+REASONING_FIELDS = ("reasoning_content", "thinking", "reasoning")
 SPECIAL_TOKEN_KEYS = ("bos_token", "eos_token", "unk_token", "pad_token", "sep_token", "cls_token",
                       "mask_token")
 TEMPLATE_FILE = "chat_template.jinja"  # where recent transformers versions save the template
@@ -63,12 +67,14 @@ _PREFIX_STABLE_HINT = ("add {% generation %} tags around what the assistant writ
 
 # --- records to messages -------------------------------------------------------------------------
 
-def normalize_messages(record: Any, input_format: str) -> list[dict[str, str]]:
-    """The messages of a record as [{"role", "content"}, ...], or BadRecord saying what is wrong.
+def normalize_messages(record: Any, input_format: str) -> list[dict[str, Any]]:
+    """The messages of a record as [{"role", "content", ...}, ...], or BadRecord saying what is wrong.
 
     "messages": {"messages": [{"role", "content"}, ...]} with roles from ROLES, or ShareGPT's
-    {"conversations": [{"from", "value"}, ...]} with the names in SHAREGPT_ROLES. Other keys of a
-    message are dropped: only text turns are rendered.
+    {"conversations": [{"from", "value"}, ...]} with the names in SHAREGPT_ROLES. Every other field
+    of a message (tool_calls, tool_call_id, name, reasoning_content...) is kept, as transformers'
+    apply_chat_template passes it to the template (with its reasoning-field aliases); content may
+    be null or absent in a message with tool_calls.
     "prompt_completion": {"prompt": str, "completion": str}, returned as a "prompt" and a
     "completion" part (joined as given, no template).
     """
@@ -98,8 +104,9 @@ def _conversation(record: Any) -> tuple[list, bool]:
     return record[key], key == "conversations"
 
 
-def _message(index: int, turn: Any, sharegpt: bool) -> dict[str, str]:
-    """One turn as {"role", "content"}; ShareGPT turns use "from"/"value" (or "role"/"content")."""
+def _message(index: int, turn: Any, sharegpt: bool) -> dict[str, Any]:
+    """One turn as {"role", "content", other fields as given}; ShareGPT turns use "from"/"value"
+    (or "role"/"content")."""
     if not isinstance(turn, dict):
         raise BadRecord("bad_content", f"message {index} is a {type(turn).__name__}, not an object "
                                        "with a role and content")
@@ -114,7 +121,52 @@ def _message(index: int, turn: Any, sharegpt: bool) -> dict[str, str]:
     if role is None:
         found = f"{role_key} {_brief(turn[role_key])}" if role_key in turn else f"no {role_key!r}"
         raise BadRecord("unknown_role", f"message {index} has {found}; known roles: {known}")
-    return {"role": role, "content": _text(turn.get(content_key), f"message {index} {content_key!r}")}
+    message = {"role": role}
+    for key, value in turn.items():  # every field, in the record's order (as transformers passes it)
+        if key == content_key:
+            message["content"] = value
+        elif key != role_key:
+            _check_strings(value, f"message {index} {key!r}")
+            message[key] = value
+    content = turn.get(content_key)
+    if content is not None or not turn.get("tool_calls"):  # a tool call's content may be null
+        message["content"] = _text(content, f"message {index} {content_key!r}")
+    return _alias_reasoning(message)
+
+
+def _alias_reasoning(message: dict[str, Any]) -> dict[str, Any]:
+    """transformers fills "thinking" and "reasoning_content" from any of the reasoning fields, so
+    that templates reading either name see it; the same here."""
+    reasoning = next((message[k] for k in REASONING_FIELDS if message.get(k) is not None), None)
+    return message if reasoning is None else {"thinking": reasoning, **message,
+                                              "reasoning_content": reasoning}
+
+
+def record_tools(record: Any) -> list | None:
+    """A record's top-level "tools" (JSON schemas), passed to the template as transformers does."""
+    tools = record.get("tools") if isinstance(record, dict) else None
+    if tools is None:
+        return None
+    if not isinstance(tools, list) or not all(isinstance(t, dict) for t in tools):
+        raise BadRecord("bad_content", f"field 'tools' is {_brief(tools)}, not a list of tool "
+                                       "schemas (objects)")
+    _check_strings(tools, "field 'tools'")
+    return tools
+
+
+def _check_strings(value: Any, where: str) -> None:
+    """Every string in a JSON value is valid UTF-8 (a lone surrogate would fail in the tokenizer);
+    walked with a stack, so that no nesting depth can exhaust Python's recursion limit."""
+    todo = [value]
+    while todo:
+        item = todo.pop()
+        if isinstance(item, str):
+            _text(item, where)
+        elif isinstance(item, dict):
+            todo.extend(item.keys())
+            todo.extend(item.values())
+        elif isinstance(item, list):
+            todo.extend(item)
 
 
 def _prompt_completion(record: Any) -> list[dict[str, str]]:
@@ -189,9 +241,10 @@ class _GenerationTags(jinja2.ext.Extension):
         return body if marks is None else f"{marks[0]}{body}{marks[1]}"
 
 
-class _Sandbox(ImmutableSandboxedEnvironment):
-    """Jinja's immutable sandbox, but an unsafe attribute is an error at once (the stock sandbox
-    returns an undefined value that prints as nothing, so a probe would pass silently)."""
+class _Sandbox(BoundedSandbox):
+    """Jinja's immutable sandbox, counting each rendering's work (template_limits), and an unsafe
+    attribute is an error at once (the stock sandbox returns an undefined value that prints as
+    nothing, so a probe would pass silently)."""
 
     def unsafe_undefined(self, obj: Any, attribute: str) -> NoReturn:
         raise SecurityError(f"access to attribute {attribute!r} of a {type(obj).__name__!r} "
@@ -204,6 +257,7 @@ def _environment() -> _Sandbox:
                    extensions=[_GenerationTags, jinja2.ext.loopcontrols])
     env.filters["tojson"] = _tojson
     env.globals["raise_exception"] = _raise_exception
+    bound_filters(env)
     return env
 
 
@@ -228,7 +282,8 @@ class ChatTemplate:
         env = _environment()
         tree = self._parse(env)
         self.has_generation_tags = _uses_generation_tags(tree)
-        self._template = env.from_string(tree)
+        self._template = env.from_string(instrument(tree))
+        self._closing_of: tuple[Any, str] = (None, "")  # (key, text) of the last closing rendered
         fixed = [source, *self.special_tokens.values()]
         self._marks = tuple(c for c in _MARK_CANDIDATES if not any(c in s for s in fixed))
 
@@ -257,99 +312,151 @@ class ChatTemplate:
         return tree
 
     def render_text(self, messages: Sequence[Mapping[str, Any]],
-                    add_generation_prompt: bool = False) -> str:
+                    add_generation_prompt: bool = False, tools: list | None = None) -> str:
         """The template's text for these messages (Hugging Face's apply_chat_template, untokenized)."""
-        return self._run(messages, add_generation_prompt, None, self._moment())
+        return self._run(_Conversation(messages, tools, self._moment()), add_generation_prompt)
 
-    def render(self, messages: Sequence[Mapping[str, Any]],
-               train_on: str = "assistant") -> tuple[str, list[Span]]:
+    def render(self, messages: Sequence[Mapping[str, Any]], train_on: str = "assistant",
+               tools: list | None = None) -> tuple[str, list[Span]]:
         """The conversation's text and its trained character spans (sorted, non-overlapping).
 
         train_on: "assistant" (every assistant turn), "last_assistant" (the last one), "all" (the
-        whole text). A conversation the template rejects (raise_exception) is a BadRecord
-        ("role_order"); a template that is not prefix-stable (and has no generation tags) is a
-        ValueError naming it.
+        whole text); tools: the record's tool schemas (the template's `tools`). A conversation the
+        template rejects (raise_exception) is a BadRecord ("role_order"); one whose turns the
+        template does not render as prefixes of the whole (and it has no generation tags) is a
+        BadRecord ("unstable_template") naming the template; one whose rendering goes over the
+        limits of template_limits is a BadRecord ("template_limit").
         """
         _check_train_on(train_on)
-        now = self._moment()
+        chat = _Conversation(messages, tools, self._moment())
         if train_on == "all":
-            text = self._run(messages, False, None, now)
+            text = self._run(chat, False)
             return text, [(0, len(text))] if text else []
         if self.has_generation_tags:
-            return self._tagged(messages, train_on, now)
-        text = self._run(messages, False, None, now)
-        return text, _merged(self._turn_spans(messages, text, train_on, now))
+            return self._tagged(chat, train_on)
+        text = self._run(chat, False)
+        return text, _merged(self._turn_spans(chat, text, train_on))
 
     def _moment(self) -> datetime:
         return self.now or datetime.now()
 
-    def _tagged(self, messages: Sequence[Mapping[str, Any]], train_on: str,
-                now: datetime) -> tuple[str, list[Span]]:
+    def _tagged(self, chat: "_Conversation", train_on: str) -> tuple[str, list[Span]]:
         """Text and spans from the generation tags: all of them, or the last one."""
-        marks = self._free_marks(messages)
-        raw = self._run(messages, False, marks, now)
+        marks = self._free_marks(chat)
+        raw = self._run(chat, False, marks)
         text, spans = _strip_marks(raw, marks, self.name)
         if train_on == "last_assistant":
             spans = spans[-1:]
         return text, _merged(spans)
 
-    def _turn_spans(self, messages: Sequence[Mapping[str, Any]], text: str, train_on: str,
-                    now: datetime) -> list[Span]:
+    def _turn_spans(self, chat: "_Conversation", text: str, train_on: str) -> list[Span]:
         """Each assistant turn's span, found by rendering the conversation up to it: from the end
-        of the generation prompt before it to the end of the turn, less trailing whitespace."""
+        of the generation prompt before it to the end of the turn, less trailing whitespace.
+
+        A template may end every rendering with the same closing text (Phi-3 writes its
+        eos_token after the conversation): that text, what it renders for no messages, is taken
+        off the renderings that end with it before they are compared, and is never trained."""
+        messages = chat.messages
         turns = [k for k, message in enumerate(messages) if message.get("role") == "assistant"]
         if train_on == "last_assistant":
             turns = turns[-1:]
+        closing = self._closing(chat, text) if turns else ""
+        whole = text[:len(text) - len(closing)]
         spans = []
         for k in turns:
-            prompt = self._run(messages[:k], True, None, now, upto=k)
-            upto = text if k == len(messages) - 1 else self._run(messages[:k + 1], False, None, now,
-                                                                   upto=k + 1)
+            prompt = self._run(chat, True, upto=k)
+            upto = whole if k == len(messages) - 1 else self._run(chat, False, upto=k + 1)
+            if closing and upto.endswith(closing) and not whole.startswith(upto):
+                upto = upto[:len(upto) - len(closing)]
             if not upto.startswith(prompt):
                 raise self._unstable(f"rendering the first {k} messages with add_generation_prompt="
                                      f"True is not a prefix of rendering the first {k + 1}", k)
-            if not text.startswith(upto):
+            if not whole.startswith(upto):
                 raise self._unstable(f"rendering the first {k + 1} messages is not a prefix of "
                                      f"rendering all {len(messages)}", k)
             written = upto[len(prompt):]
             spans.append((len(prompt), len(prompt) + len(written.rstrip())))
         return spans
 
-    def _unstable(self, what: str, turn: int) -> ValueError:
-        return ValueError(f"chat template {self.name}: {what} (assistant turn at message {turn}), so "
-                          "its trained span cannot be found: this template is not prefix-stable: "
-                          f"{_PREFIX_STABLE_HINT}")
+    def _closing(self, chat: "_Conversation", text: str) -> str:
+        """The text the template writes after every conversation, when the whole rendering ends
+        with what it renders for no messages (else "")."""
+        key = (chat.now, chat.tools_json)  # what the rendering of no messages depends on
+        if self._closing_of[0] != key:
+            try:
+                closing = self._run(_Conversation([], chat.tools, chat.now, chat.limits), False,
+                                    upto=0)
+            except (BadRecord, ValueError):
+                closing = ""  # (a template that refuses an empty conversation writes no closing)
+            self._closing_of = (key, closing)
+        closing = self._closing_of[1]
+        return closing if closing and len(closing) < len(text) and text.endswith(closing) else ""
 
-    def _free_marks(self, messages: Sequence[Mapping[str, Any]]) -> tuple[str, str]:
-        """Two mark characters no message uses (nearly always the first two candidates)."""
-        texts = [str(value) for message in messages for value in message.values()]
-        free = list(itertools.islice((c for c in self._marks if not any(c in t for t in texts)), 2))
+    def _unstable(self, what: str, turn: int) -> BadRecord:
+        return BadRecord("unstable_template",
+                         f"chat template {self.name} is not prefix-stable for this conversation: "
+                         f"{what} (assistant turn at message {turn}), so its trained span cannot be "
+                         f"found; {_PREFIX_STABLE_HINT} (on_error='skip' skips and counts such "
+                         "conversations)")
+
+    def _free_marks(self, chat: "_Conversation") -> tuple[str, str]:
+        """Two mark characters no message (nor tool) uses (nearly always the first two candidates)."""
+        free = list(itertools.islice((c for c in self._marks if c not in chat.json), 2))
         if len(free) < 2:
             raise BadRecord("bad_content", "the messages use every Unicode noncharacter U+FDD0.."
                                            "U+FDEF, one of which marks the generation tags' output")
         return free[0], free[1]
 
-    def _run(self, messages: Sequence[Mapping[str, Any]], add_generation_prompt: bool,
-             marks: tuple[str, str] | None, now: datetime, upto: int | None = None) -> str:
-        """Render once; the template's errors as BadRecord (it rejects the conversation) or a
-        ValueError naming the template (it is broken, or broke out of the sandbox)."""
+    def _run(self, chat: "_Conversation", add_generation_prompt: bool,
+             marks: tuple[str, str] | None = None, upto: int | None = None) -> str:
+        """Render once (the first `upto` messages), within the record's limits; the template's
+        errors as BadRecord (it rejects the conversation, or goes over a limit) or a ValueError
+        naming the template (it is broken, or broke out of the sandbox)."""
         where = "" if upto is None else f" (rendering its first {upto} messages)"
+        messages = chat.messages if upto is None else chat.messages[:upto]
         try:
-            # tools and documents: None, as Hugging Face passes them when a call gives none
-            return self._template.render(messages=list(messages), tools=None, documents=None,
-                                         add_generation_prompt=add_generation_prompt,
-                                         strftime_now=now.strftime, **self.special_tokens,
-                                         **{_MARKS_VARIABLE: marks})
+            with budget(chat.limits):
+                # tools: the record's, or None; documents: None (as Hugging Face passes them)
+                return self._template.render(messages=list(messages), tools=chat.tools,
+                                             documents=None,
+                                             add_generation_prompt=add_generation_prompt,
+                                             strftime_now=chat.now.strftime, **self.special_tokens,
+                                             **{_MARKS_VARIABLE: marks})
         except _TemplateRaised as e:
             raise BadRecord("role_order", f"the chat template rejects this conversation{where}: "
                                           f"{e.message}") from None
+        except RenderLimitExceeded as e:
+            raise BadRecord("template_limit", f"chat template {self.name} went over its limits "
+                                              f"rendering this conversation{where}: {e}. A template "
+                                              "must render a conversation within the limits the "
+                                              "README gives (Chat and instruction data: Limits); "
+                                              "fix the template, or split the conversation") from None
         except SecurityError as e:
             raise ValueError(f"chat template {self.name} tried something the sandbox forbids: {e}; "
                              "templates may not reach files, private attributes or change their "
                              "arguments") from None
+        except BadRecord:
+            raise
         except Exception as e:  # a broken template fails with anything: name it, say where
             raise ValueError(f"chat template {self.name} failed on a conversation of "
                              f"{len(messages)} messages{where}: {type(e).__name__}: {e}") from e
+
+
+class _Conversation:
+    """One record's rendering inputs: messages, tools, the moment strftime_now gives, and the
+    limits every rendering of it runs under (sized by its JSON text, which the marks avoid)."""
+
+    def __init__(self, messages: Sequence[Mapping[str, Any]], tools: list | None, now: datetime,
+                 limits: RecordLimits | None = None):
+        self.messages, self.tools, self.now = list(messages), tools, now
+        try:
+            self.tools_json = None if tools is None else json.dumps(tools, sort_keys=True,
+                                                                    default=str)
+            self.json = json.dumps([self.messages, tools], ensure_ascii=False, default=str)
+        except RecursionError:
+            raise BadRecord("bad_content", "the messages or tools are nested too deeply to "
+                                           "render") from None
+        self.limits = limits or RecordLimits.for_input(len(self.json))
 
 
 def _short_name(source: str) -> str:
@@ -402,6 +509,56 @@ def _check_train_on(train_on: str) -> None:
         raise ValueError(f"train_on={train_on!r}: use one of {', '.join(TRAIN_ON)}")
 
 
+# --- role markers and the tokenizer --------------------------------------------------------------
+
+_PROBES = (("system", "user", "assistant", "user", "assistant"),
+           ("user", "assistant", "user", "assistant"))
+
+
+def role_markers(template: ChatTemplate) -> list[str]:
+    """The text the template writes right after a turn's content (its first run of non-space
+    characters: the end-of-turn marker, or the next header), found by rendering probe
+    conversations; in order of first appearance."""
+    found: list[str] = []
+    for roles in _PROBES:
+        contents = [f"Probe{i} {role} words." for i, role in enumerate(roles)]
+        try:
+            text = template.render_text([{"role": r, "content": c} for r, c in zip(roles, contents)])
+        except (BadRecord, ValueError):
+            continue  # the template refuses this shape of conversation: try the next
+        position = 0
+        for i, content in enumerate(contents):
+            at = text.find(content, position)
+            if at < 0:
+                continue  # (the template left it out or changed it)
+            position = at + len(content)
+            following = [text.find(c, position) for c in contents[i + 1:]]
+            end = min([f for f in following if f >= 0] or [len(text)])
+            marker = re.match(r"\s*(\S+)", text[position:end])  # never the next turn's content
+            if marker and marker.group(1) not in found:
+                found.append(marker.group(1))
+    return found
+
+
+def split_role_markers(template: ChatTemplate, tokenizer: Any) -> list[str]:
+    """The role markers (role_markers) that are not one token of `tokenizers.Tokenizer`: with
+    them, a token can span the end of a turn and what follows, so the turn's edge is not a token
+    edge. A marker that starts with one of the tokenizer's added tokens is that token; else it is
+    cut where an added token starts."""
+    added = sorted((t.content for t in tokenizer.get_added_tokens_decoder().values()), key=len,
+                   reverse=True)
+    split = []
+    for marker in role_markers(template):
+        first = next((t for t in added if t and marker.startswith(t)), None)
+        if first is not None:
+            continue  # an added token: always one token
+        cut = min([marker.find(t) for t in added if t and t in marker] or [len(marker)])
+        piece = marker[:cut]
+        if piece and len(tokenizer.encode(piece, add_special_tokens=False).ids) != 1:
+            split.append(piece)
+    return split
+
+
 # --- finding a template --------------------------------------------------------------------------
 
 def load_chat_template(tokenizer_path: str | os.PathLike | None,
@@ -442,11 +599,11 @@ def _own_template(folder: str | None, tokenizer_path: Any) -> tuple[str, str]:
         raise ValueError("chat_template=None takes the tokenizer's own template from the "
                          "tokenizer_config.json beside its tokenizer.json, but the tokenizer was not "
                          "given as a path; pass chat_template= (Jinja text or a file)")
-    jinja_file = os.path.join(folder, TEMPLATE_FILE)
-    if os.path.isfile(jinja_file):
+    jinja_file = model_file_path(folder, TEMPLATE_FILE)  # links must stay in the model folder
+    if jinja_file is not None:
         return _read(jinja_file), jinja_file
     config_file = os.path.join(folder, CONFIG_FILE)
-    config = _json_file(config_file)
+    config = _model_json(folder, CONFIG_FILE)
     if config is None:
         raise ValueError(f"tokenizer {os.fspath(tokenizer_path)!r} has no {CONFIG_FILE} or "
                          f"{TEMPLATE_FILE} beside it to take its chat template from; pass "
@@ -488,7 +645,7 @@ def _special_tokens(folder: str) -> dict[str, str]:
     """bos_token, eos_token... from tokenizer_config.json, else special_tokens_map.json."""
     found: dict[str, str] = {}
     for name in (CONFIG_FILE, "special_tokens_map.json"):
-        config = _json_file(os.path.join(folder, name))
+        config = _model_json(folder, name)
         for key in SPECIAL_TOKEN_KEYS if isinstance(config, dict) else ():
             value = config.get(key)
             value = value.get("content") if isinstance(value, dict) else value  # AddedToken form
@@ -497,12 +654,10 @@ def _special_tokens(folder: str) -> dict[str, str]:
     return found
 
 
-def _json_file(path: str) -> Any:
-    """A JSON file's content, None when there is no such file."""
-    try:
-        return _parse_json(_read(path), path)
-    except FileNotFoundError:
-        return None
+def _model_json(folder: str, name: str) -> Any:
+    """A model folder's JSON file's content (links checked: model_file_path), None when absent."""
+    path = model_file_path(folder, name)
+    return None if path is None else _parse_json(_read(path), path)
 
 
 def _parse_json(text: str, path: str) -> Any:
@@ -538,7 +693,7 @@ def render_record(record: Any, input_format: str, template: ChatTemplate | None,
     if template is None:
         raise ValueError("input_format='messages' needs a chat template: pass chat_template=, or a "
                          "tokenizer path with a tokenizer_config.json that holds one")
-    return template.render(messages, train_on)
+    return template.render(messages, train_on, tools=record_tools(record))
 
 
 # --- spans to tokens, tokens to runs -------------------------------------------------------------
@@ -546,8 +701,10 @@ def render_record(record: Any, input_format: str, template: ChatTemplate | None,
 def trained_token_mask(offsets: Any, spans: Sequence[Span]) -> np.ndarray:
     """One flag per token: True when the token's characters [start, end) overlap a trained span.
 
-    A zero-width token (start == end: one the tokenizer adds, or whitespace its offsets trim away)
-    is trained when its position lies inside a span (start <= position < end).
+    A zero-width token (start == end: one the tokenizer adds) is trained when its position lies
+    inside a span (start <= position < end). Give offsets that cover every character of a token:
+    offsets trimmed of whitespace (GPT-NeoX's) would make a whitespace token of untrained
+    characters zero-width at the start of the next span (tokenizing.untrimmed_offsets).
     offsets: the tokenizer's (start, end) character offsets, one pair per token.
     """
     tokens = _offset_array(offsets)

@@ -18,7 +18,7 @@ from typing import Any, Callable, Iterable
 from .._util import hooks
 from ..errors import BuildError
 from ..format import blocks as fmt
-from ..format import ledger
+from ..format import ledger, provenance
 from ..format.storage import TMP_MARK, LocalStorage, Lock, Storage
 from .worker import BlockWritten, Event, InputDone, Progress, WorkerFailed, raise_failure
 
@@ -67,6 +67,12 @@ class ManifestState:
         head = ledger.empty_head(self.fingerprint) if not existing else ledger.read_head(
             storage, self.fingerprint)
         self.records = head["records"]
+        # blocks keep their record runs where needed (format.provenance) if this builder (or one
+        # that did) made the cache from its start; an older builder's blocks did not
+        self.record_runs = head.get(provenance.HEAD_KEY) is True or not any(self.finished)
+        for i, blocks in enumerate(self.finished):  # (a worker's start: see format.provenance)
+            self.progress[i]["documents"] = sum(e["num_documents"] for e in blocks) \
+                if self.record_runs else None
         self._unsaved: list[dict[str, Any]] = []  # commit log records since the last save
         chunk = existing["chunk_records"] if existing else ledger.new_chunk_records()
         self._writer = ledger.LedgerWriter(storage, head, chunk)
@@ -92,7 +98,7 @@ class ManifestState:
         if entry["index"] < len(self.finished[index]):
             return  # reported again by a retried task: the same block, already recorded
         self.finished[index].append(entry)
-        self._set_progress(index, progress)
+        self._set_progress(index, progress)  # (with the input's "documents" so far, if counted)
         self._unsaved.append({"input": index, "entry": entry, "progress": progress})
 
     def finish_input(self, index: int, progress: dict) -> None:
@@ -122,6 +128,9 @@ class ManifestState:
         head = dict(ledger.empty_head(self.fingerprint), blocks=self.num_blocks,
                     num_tokens=self.num_tokens, num_documents=self.num_documents,
                     complete=self.complete, skipped=summary["skipped"])
+        if self.record_runs and (not self.complete or any(
+                p["records"] != p["documents"] for p in self.progress)):
+            head[provenance.HEAD_KEY] = True  # (a complete cache without gaps: derivable anyway)
         if self.complete:  # the last commit: the head keeps each input's final progress instead
             head.update(records=0, inputs=[{k: p[k] for k in _FINAL_FIELDS if k in p}
                                            for p in self.progress])
@@ -254,15 +263,25 @@ def block_starts(storage: Storage, manifest: dict[str, Any],
     """Where each (input, block) of `blocks` starts in its input: the input's progress as of its
     block before, from the commit log (absent for a block whose log record has no progress,
     as in a cache upgraded from format v1)."""
-    starts = {(i, k): {"records": 0, "skipped": {}, "blocks": 0} for i, k in blocks if k == 0}
+    starts = {(i, k): {"records": 0, "skipped": {}, "blocks": 0, "documents": 0}
+              for i, k in blocks if k == 0}
     head = ledger.read_head(storage, manifest["fingerprint"])
+    keep = provenance.keeps_runs(head)  # (else no block keeps runs: none made again may)
+    if not keep:
+        for start in starts.values():
+            start["documents"] = None
+    documents: dict[int, int] = {}  # each input's documents so far (its blocks come in order)
     for record in ledger.read_log(storage, head["records"], manifest["chunk_records"]):
         entry = record.get("entry")
-        if entry is None or "progress" not in record:
+        if entry is None:
+            continue
+        documents[record["input"]] = documents.get(record["input"], 0) + entry["num_documents"]
+        if "progress" not in record:
             continue
         key = (record["input"], entry["index"] + 1)
         if key in blocks:
-            starts[key] = dict(record["progress"], blocks=key[1])
+            starts[key] = dict(record["progress"], blocks=key[1],
+                               documents=documents[record["input"]] if keep else None)
     return starts
 
 
@@ -322,3 +341,51 @@ def _start_over(storage: Storage) -> None:
                 storage.delete(f"{folder}/{name}")
     storage.delete(ledger.HEAD_NAME)  # after the chunks: no head with chunks reads as a lost head
     storage.delete(fmt.MANIFEST_NAME)
+
+
+def output_names(storage: Storage) -> set[str] | None:
+    """The names at the top of a build's output before the build touches it; None where a local
+    output folder does not exist yet (an object store has no folders: always a set)."""
+    if isinstance(storage, LocalStorage) and not os.path.isdir(storage.root):
+        return None
+    return set(storage.listdir(""))
+
+
+def undo_failed_first_build(storage: Storage, lock: Lock, before: set[str] | None,
+                            refused: bool = False) -> bool:
+    """Remove what a first build that failed created, so that nothing that looks like a cache
+    is left (`info` would call an empty skeleton complete): the builder's own files, its
+    emptied folders, its lock file and, if the build created it, the output folder. That is
+    when it committed no block, or when it completed and its result was `refused` (no
+    document, no trained token). A build that committed blocks and stopped keeps them (a
+    re-run resumes); a user's files are never touched. Call while holding `lock`; False when
+    nothing was removed (the lock may be lost: another builder's files are not ours to delete)."""
+    try:
+        lock.check()
+    except RuntimeError:
+        return False
+    if storage.exists(fmt.MANIFEST_NAME):
+        manifest = ledger.read_manifest(storage)
+        if not _nothing_committed(manifest) and not (refused and manifest["complete"]):
+            return False
+        _start_over(storage)
+    # (no manifest: the output was refused before the build wrote anything but its lock; block
+    # files there, even with the builder's names, may be the user's)
+    if not isinstance(storage, LocalStorage):
+        return True  # an object store has no folders; the lease goes when the lock is released
+    for folder in (fmt.BLOCK_DIR, ledger.INDEX_DIR, ledger.LOG_DIR):
+        path = os.path.join(storage.root, folder)
+        if folder not in (before or ()) and os.path.isdir(path) and not os.listdir(path):
+            os.rmdir(path)
+    if ".lock" not in (before or ()):
+        storage.delete(".lock")  # still held (flock on the open file) until released
+    return True
+
+
+def remove_created_folder(storage: Storage, before: set[str] | None) -> None:
+    """After `undo_failed_first_build`: the output folder too, if the build created it and it is
+    empty (a folder the user made, or one holding anything, stays)."""
+    root = getattr(storage, "root", None)
+    if before is None and isinstance(storage, LocalStorage) and os.path.isdir(root) \
+            and not os.listdir(root):
+        os.rmdir(root)

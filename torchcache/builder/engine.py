@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 import os
 import time
+import warnings
 from dataclasses import dataclass
 from typing import Any, Callable
 
@@ -18,7 +19,7 @@ from tqdm.auto import tqdm
 
 from ..format import blocks as fmt
 from .commit import (Committer, ManifestState, acquire_lock, block_starts, damaged_pending,
-                     open_existing)
+                     open_existing, output_names, remove_created_folder, undo_failed_first_build)
 from ..errors import BuildError, InputChangedError
 from .executors import run_inline, run_pool
 from .inputs import content_identity, iter_records, iter_strings, resolve_inputs
@@ -26,9 +27,10 @@ from ..format.ledger import record_stamps, write_header
 from .ray_executor import run_ray
 from .records import ITERABLE_PATH, InputSource
 from ..format.storage import LocalStorage, Storage, open_storage
+from ..read.cache import TokenCache
 from ..format.tokenizer import TokenizerLike, canonical_json, fingerprint_of_json, load_tokenizer
 from .tokenizing import special_token_id
-from .chat import load_chat_template
+from .chat import ChatTemplate, load_chat_template, split_role_markers
 from .formats import documents_spec
 from .functions import function_fingerprint, pack_function
 from .worker import BlockWritten, BuildJob, build_input
@@ -107,6 +109,7 @@ def run_build(inputs: Any, output: str | os.PathLike, tokenizer: TokenizerLike |
                              "(input_format='tokens', or webdataset tars: see convert_webdataset)")
         dtype = fmt.token_dtype(vocab_size) if vocab_size is not None else np.dtype("<u4")
         tokenizer_spec = None
+        eos = None if isinstance(eos, str) and eos == "auto" else eos  # no tokenizer, no end-of-text
         bos_id, eos_id = (_plain_token_id(x, name, vocab_size) for x, name in ((bos, "bos"), (eos, "eos")))
     else:
         if vocab_size is not None:
@@ -121,6 +124,7 @@ def run_build(inputs: Any, output: str | os.PathLike, tokenizer: TokenizerLike |
     if input_format == "messages":
         template = load_chat_template(tokenizer if isinstance(tokenizer, (str, os.PathLike)) else None,
                                       chat_template)
+        _warn_split_markers(template, tok)
     documents = documents_spec(input_format, keep_fields, template, train_on)
     spec = {
         "tokenizer": tokenizer_spec,
@@ -139,13 +143,23 @@ def run_build(inputs: Any, output: str | os.PathLike, tokenizer: TokenizerLike |
         spec["pipeline"] = [{"step": kind, "function": function_fingerprint(fn)}
                             for kind, fn in pipeline]
     _check_output_path(storage)
+    before = output_names(storage)  # what a failed first build must leave as it found it
     storage.makedirs()
-    job = BuildJob.for_spec(storage, spec, None if tok is None else tokenizer_json, on_error,
-                            storage_options, template.name if template is not None else None,
-                            tuple((kind, pack_function(fn)) for kind, fn in pipeline))
-    lock = acquire_lock(storage)
+    try:
+        job = BuildJob.for_spec(storage, spec, None if tok is None else tokenizer_json, on_error,
+                                storage_options, template.name if template is not None else None,
+                                tuple((kind, pack_function(fn)) for kind, fn in pipeline))
+        lock = acquire_lock(storage)
+    except Exception:
+        remove_created_folder(storage, before)
+        raise
+    first = fmt.MANIFEST_NAME not in (before or ())  # no cache here before this call
+    undone = finished = False
     try:
         existing = open_existing(storage, spec)
+        # an earlier first build that stopped before committing anything counts as none
+        first = first or existing is None or (not existing["complete"] and not existing["blocks"]
+                                              and not existing.get("pending"))
         restamped: dict[int, str] = {}
         if existing is not None:
             if sources is None:
@@ -159,6 +173,7 @@ def run_build(inputs: Any, output: str | os.PathLike, tokenizer: TokenizerLike |
                 record_stamps(storage, existing["fingerprint"], restamped)
             if tok is not None and not storage.exists(fmt.TOKENIZER_NAME):
                 storage.write(fmt.TOKENIZER_NAME, [tok.to_str().encode()])
+            _require_trained(storage, _summary(existing), spec, storage_options, template)
             return _result(storage, _summary(existing), started, 0, allow_empty,
                            already_complete=True)
         if existing is None:
@@ -186,9 +201,17 @@ def run_build(inputs: Any, output: str | os.PathLike, tokenizer: TokenizerLike |
             bar.close(clear=True)  # no stale bar above the error message that follows
             raise
         bar.close()
+        finished = True  # from here on only the checks of the result fail (empty, trains nothing)
+        _require_trained(storage, state.summary(), spec, storage_options, template)
         return _result(storage, state.summary(), started, built, allow_empty)
+    except Exception:
+        if first:  # nothing that looks like a cache may stay (committed blocks do: they resume)
+            undone = undo_failed_first_build(storage, lock, before, refused=finished)
+        raise
     finally:
         lock.release()
+        if undone:
+            remove_created_folder(storage, before)
 
 
 def _check_iterable(storage: Storage, existing: dict[str, Any], items: Any, objects: bool) -> None:
@@ -280,6 +303,42 @@ def _first_block(events) -> dict[str, Any] | None:
         events.close()
 
 
+def _warn_split_markers(template: ChatTemplate, tok: Any) -> None:
+    """Warn when the template's role markers are not single tokens of the build's tokenizer."""
+    split = split_role_markers(template, tok) if tok is not None else []
+    if split:
+        warnings.warn(f"chat template {template.name}: its role markers "
+                      f"{', '.join(map(repr, split))} (the text it writes right after a turn) "
+                      "are not single tokens of the tokenizer, so a token can span the end of a "
+                      "turn and what follows, and the trained mask's edges fall inside tokens; "
+                      "add them to the tokenizer as special tokens", stacklevel=4)
+
+
+def _require_trained(storage: Storage, summary: dict[str, Any], spec: dict[str, Any],
+                     storage_options: dict[str, Any] | None, template: ChatTemplate | None) -> None:
+    """A cache with a loss mask must train some token (BuildError otherwise). Its blocks' masks
+    are read until a trained token is found: the first block, unless nothing is trained."""
+    documents = spec.get("documents") or {}
+    if not documents.get("loss_mask") or not summary["complete"] or not summary["num_documents"]:
+        return
+    cache = TokenCache(storage.url, storage_options=storage_options)
+    starts = cache.block_token_starts()
+    for b in range(cache.num_blocks):
+        if cache.loss_mask(int(starts[b]), int(starts[b + 1])).any():
+            return
+    how = {"messages": f"the chat template {template.name if template else ''} marks nothing the "
+                       "assistant writes with train_on="
+                       f"{documents.get('train_on')!r}: use a template with {{% generation %}} "
+                       "tags around what the assistant writes (its content and end-of-turn "
+                       "marker), or pass train_on='all'",
+           "prompt_completion": "every completion is empty: check the records' 'completion' "
+                                "fields, or pass train_on='all'",
+           "tokens": "every record's loss_mask (or labels) marks no token: check the records"}
+    raise BuildError(f"{storage.url}: no token of this build is trained (0 of "
+                     f"{summary['num_tokens']:,} tokens in {summary['num_documents']:,} documents), "
+                     f"so it cannot train anything: {how.get(documents.get('input_format'), '')}")
+
+
 def _check_output_path(storage: Storage) -> None:
     """A local output must be a directory (or not exist yet)."""
     root = getattr(storage, "root", None)
@@ -293,7 +352,8 @@ def _plain_token_id(token: Any, role: str, vocab_size: int | None) -> int | None
     if token is None:
         return None
     if isinstance(token, bool) or not isinstance(token, (int, np.integer)):
-        raise ValueError(f"{role}={token!r}: without a tokenizer, give {role} as a token id or None")
+        raise ValueError(f"{role}={token!r}: without a tokenizer there are no token strings to look "
+                         f"up; give {role}=ID (a token id), or {role}=None for none")
     if token < 0 or (vocab_size is not None and token >= vocab_size):
         raise ValueError(f"{role}={token} is outside the vocabulary (size {vocab_size})")
     return int(token)

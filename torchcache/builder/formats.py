@@ -121,11 +121,32 @@ def _tokens_record(obj: Any) -> tuple[np.ndarray, np.ndarray]:
         labels = _int_list(obj["labels"], "labels")
         trained = labels != -100
         name = "labels"
+        if len(labels) == len(ids):
+            _check_labels(ids, labels, trained)
     else:
         raise BadRecord("missing_text", "no 'loss_mask' or 'labels' field beside 'input_ids'")
     if len(trained) != len(ids):
         raise BadRecord("bad_tokens", f"{name!r} has {len(trained)} values, 'input_ids' {len(ids)}")
     return ids, trained
+
+
+def _check_labels(ids: np.ndarray, labels: np.ndarray, trained: np.ndarray) -> None:
+    """Labels in Hugging Face's convention (unshifted: -100, or the input id at the same place),
+    the only one whose values say nothing beyond the mask; any other value would be dropped
+    silently, and shifted labels would train every target one token off."""
+    wrong = np.flatnonzero(trained & (labels != ids))
+    if not len(wrong):
+        return
+    at, before_last = int(wrong[0]), trained[:-1]
+    shifted = before_last.any() and bool(np.all(labels[:-1][before_last] == ids[1:][before_last]))
+    hint = ("; these look shifted by one (labels[i] == input_ids[i + 1]): give them unshifted, "
+            "the model shifts them itself" if shifted else "")
+    raise BadRecord("bad_labels",
+                    f"'labels' at position {at} is {int(labels[at])}, but 'input_ids' there is "
+                    f"{int(ids[at])} ({len(wrong)} such labels){hint}. Labels follow Hugging "
+                    "Face's convention, unshifted: -100 where not trained, else equal to "
+                    "input_ids at the same position (or give 'loss_mask', 0/1, instead of "
+                    "'labels')")
 
 
 def _int_list(value: Any, name: str) -> np.ndarray:

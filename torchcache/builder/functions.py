@@ -9,18 +9,32 @@ function. Build workers are fresh interpreters that may not be able to import th
 and its closure, defaults and globals (modules by name, functions by value, plain values as
 they are). Anything else (an open file, a class instance) cannot be fingerprinted or sent: the
 error names the function and the value.
+
+A module a function reads (``import helpers`` then ``helpers.clean(...)``) is described by
+:func:`describe_module`: an installed one (the standard library, anything under site-packages or
+dist-packages, and torchcache itself) by its name and its distribution's version; a module of the
+user's own code (any other file: beside the script, or on sys.path from the user's project) by
+its name and the sha256 of its source file, and of the source files of every other user module
+its namespace reaches (modules it imported, functions and classes it imported from them). So an
+edit of ``helpers.py`` (a constant, a function) changes the fingerprint; the hash covers the file
+as it is on disk, which is what the build workers import. What a function reads at run time
+(``os.environ``, a file's contents) cannot be seen.
 """
 
 from __future__ import annotations
 
 import builtins
+import functools
 import hashlib
 import importlib
+import importlib.metadata
 import json
 import marshal
+import os
 import pickle
 import re
 import sys
+import sysconfig
 import types
 from typing import Any, Callable
 
@@ -116,7 +130,7 @@ def _value(value: Any, what: str, where: str, stack: list[int]) -> Any:
     if isinstance(value, re.Pattern):
         return {"regex": [_value(value.pattern, what, where, stack), value.flags]}
     if isinstance(value, types.ModuleType):
-        return {"module": value.__name__}
+        return describe_module(value)
     if isinstance(value, types.FunctionType):
         return {"function": _describe(value, where or value.__qualname__, stack)}
     if isinstance(value, types.BuiltinFunctionType):
@@ -125,6 +139,83 @@ def _value(value: Any, what: str, where: str, stack: list[int]) -> Any:
                         f"{type(value).__name__} ({_brief(value)}); a pipeline step may read plain "
                         "values (numbers, strings, tuples, lists, dicts, sets, compiled regexes), "
                         "modules and other functions: pass what it needs as one of those")
+
+
+def describe_module(module: types.ModuleType) -> dict[str, Any]:
+    """What a module a function reads stands for in its fingerprint: ``{"module": name}`` plus
+    ``"version"`` (its distribution's) for an installed module, or ``"source"`` (sha256 of its
+    source file and of the user modules its namespace reaches) for the user's own code."""
+    if _user_file(module) is None:
+        version = _installed_version(module.__name__.partition(".")[0])
+        return {"module": module.__name__, **({"version": version} if version else {})}
+    return {"module": module.__name__, "source": _user_sources(module)}
+
+
+def _user_file(module: types.ModuleType) -> str | None:
+    """The source file of a module of the user's own code; None for the standard library, an
+    installed package (site-packages, dist-packages), torchcache itself, and modules without a
+    file (built-in, namespace packages)."""
+    top = module.__name__.partition(".")[0]
+    if top in sys.builtin_module_names or top in sys.stdlib_module_names or top == "torchcache":
+        return None
+    path = getattr(module, "__file__", None)
+    if not isinstance(path, str) or not os.path.isfile(path):
+        return None
+    path = os.path.realpath(path)
+    parts = path.split(os.sep)
+    if "site-packages" in parts or "dist-packages" in parts:
+        return None
+    for installed in _installed_roots():
+        if path.startswith(installed + os.sep):
+            return None
+    return path
+
+
+@functools.lru_cache(maxsize=1)
+def _installed_roots() -> tuple[str, ...]:
+    """The folders of the standard library and of installed packages (this interpreter's)."""
+    paths = sysconfig.get_paths()
+    return tuple(sorted({os.path.realpath(paths[key]) for key in ("stdlib", "platstdlib",
+                                                                 "purelib", "platlib")
+                         if paths.get(key)}))
+
+
+@functools.lru_cache(maxsize=None)
+def _installed_version(top: str) -> str | None:
+    """The version of the distribution that provides top-level module `top` (None if none)."""
+    for distribution in _distributions().get(top, ()):
+        try:
+            return f"{distribution} {importlib.metadata.version(distribution)}"
+        except importlib.metadata.PackageNotFoundError:
+            continue
+    return None
+
+
+@functools.lru_cache(maxsize=1)
+def _distributions() -> dict[str, list[str]]:
+    return dict(importlib.metadata.packages_distributions())
+
+
+def _user_sources(module: types.ModuleType) -> str:
+    """sha256 of the source files of `module` and of every user module reached from its
+    namespace (a module in it, or the module of a function or class in it), by module name."""
+    hashes: dict[str, str] = {}
+    todo = [module]
+    while todo:
+        current = todo.pop()
+        path = _user_file(current)
+        if current.__name__ in hashes or path is None:
+            continue
+        with open(path, "rb") as f:
+            hashes[current.__name__] = hashlib.sha256(f.read()).hexdigest()
+        for value in list(vars(current).values()):
+            if isinstance(value, types.ModuleType):
+                todo.append(value)
+            elif isinstance(value, (types.FunctionType, type)):
+                owner = sys.modules.get(getattr(value, "__module__", None) or "")
+                if owner is not None:
+                    todo.append(owner)
+    return hashlib.sha256(json.dumps(sorted(hashes.items())).encode()).hexdigest()
 
 
 def _brief(value: Any) -> str:
@@ -147,7 +238,7 @@ def _packed(fn: types.FunctionType, stack: list[int]) -> dict[str, Any]:
 
 def _pack_value(value: Any, stack: list[int]) -> Any:
     if isinstance(value, types.ModuleType):
-        return ("module", value.__name__)
+        return ("module", value.__name__, _import_root(value))
     if isinstance(value, types.FunctionType):
         if id(value) in stack:  # recursion: the function being built
             return ("recursive", value.__qualname__)
@@ -164,7 +255,7 @@ def _pack_value(value: Any, stack: list[int]) -> Any:
 def _unpack_value(packed: Any, building: dict[str, Any]) -> Any:
     kind = packed[0]
     if kind == "module":
-        return importlib.import_module(packed[1])
+        return _import(packed[1], packed[2] if len(packed) > 2 else None)
     if kind == "function":
         return _unpacked(packed[1], building)
     if kind == "recursive":
@@ -177,6 +268,32 @@ def _unpack_value(packed: Any, building: dict[str, Any]) -> Any:
     if kind == "dict":
         return {k: _unpack_value(v, building) for k, v in packed[1].items()}
     return packed[1]
+
+
+def _import_root(module: types.ModuleType) -> str | None:
+    """The sys.path folder a user module was imported from (None for an installed one): a build
+    worker, started elsewhere than the user's script, imports it from there."""
+    path = _user_file(module)
+    if path is None:
+        return None
+    root = os.path.dirname(path)
+    if os.path.splitext(os.path.basename(path))[0] == "__init__":
+        root = os.path.dirname(root)
+    for _ in range(module.__name__.count(".")):
+        root = os.path.dirname(root)
+    return root
+
+
+def _import(name: str, root: str | None) -> types.ModuleType:
+    """Module `name`, as this interpreter finds it, else from `root` (the folder the user's
+    process imported it from)."""
+    try:
+        return importlib.import_module(name)
+    except ModuleNotFoundError as error:
+        if root is None or not name.startswith(error.name or "\0") or root in sys.path:
+            raise
+    sys.path.append(root)  # appended: never shadows what this interpreter already finds
+    return importlib.import_module(name)
 
 
 def _unpacked(packed: dict[str, Any], building: dict[str, Any]) -> types.FunctionType:

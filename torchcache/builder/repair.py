@@ -20,9 +20,11 @@ from typing import Any, Iterator
 from ..format import blocks as fmt
 from ..format.documents import has_documents
 from .commit import acquire_lock
-from ..errors import BuildError
+from ..errors import BuildError, CacheFormatError
+from ..format import provenance
 from ..format.ledger import (HEAD_NAME, LOG_DIR, BlockTable, final_head, has_log, head_from_log,
-                     index_chunk_name, lost_head, read_manifest, stored_index)
+                     index_chunk_name, lost_head, read_head, read_manifest, stored_index)
+from ..read.cache_files import offsets_max_size
 from .inputs import resolve_inputs
 from .records import ITERABLE_PATH, InputSource
 from ..format.storage import LocalStorage, Storage, open_storage
@@ -102,12 +104,14 @@ def repair_cache(path: str | os.PathLike, *, storage_options: dict[str, Any] | N
             entry = entries[p.entry]
             damaged.setdefault(entry["input"], {}).setdefault(entry["index"], set()).add(p.file)
         job = _job_for(storage, manifest, storage_options)
+        start = _start(storage, manifest, entries)
         for input_index in sorted(damaged):
             wanted = {e["index"]: _Damaged(e, damaged[input_index][e["index"]],
                                            _record_of(manifest, k))
                       for k, e in enumerate(entries)
                       if e["input"] == input_index and e["index"] in damaged[input_index]}
-            repaired += _rebuild_input(storage, job, manifest, input_index, wanted, storage_options)
+            repaired += _rebuild_input(storage, job, manifest, input_index, wanted, storage_options,
+                                       start)
         return RepairResult(storage.url, repaired, found)
     finally:
         lock.release()
@@ -142,20 +146,39 @@ def _restore_head(storage: Storage, storage_options: dict[str, Any] | None) -> N
     manifest, records = stored_index(storage)
     table = BlockTable(records, docs=has_documents(manifest["spec"]))
     job = _job_for(storage, manifest, storage_options)
-    progress = []
+    keep = _some_block_keeps_runs(storage, table)
+    progress, gaps = [], False
     for i, spec_input in enumerate(manifest["spec"]["inputs"]):
         recorded = [table.entry(b) for b in range(len(table)) if table.input(b) == i]
         progress.append(_final_progress(storage, job, i, _input_source(spec_input, storage_options),
-                                        recorded))
-    storage.write_json(HEAD_NAME, final_head(storage, progress))
+                                        recorded, dict(_START, documents=0 if keep else None)))
+        gaps |= progress[-1]["records"] != sum(e["num_documents"] for e in recorded)
+    head = final_head(storage, progress)
+    if keep and gaps:
+        head[provenance.HEAD_KEY] = True
+    storage.write_json(HEAD_NAME, head)
+
+
+def _some_block_keeps_runs(storage: Storage, table: BlockTable) -> bool:
+    """Whether a block's offsets sidecar holds record runs (format.provenance): then the blocks
+    are rebuilt with them, and the restored head says so again. A missing or damaged sidecar
+    says nothing (it is repaired after the head, as the others say)."""
+    for b in range(len(table)):
+        try:
+            if provenance.sidecar_has_runs(storage, table.offsets_path(b),
+                                           offsets_max_size(int(table.records["num_documents"][b]))):
+                return True
+        except (FileNotFoundError, CacheFormatError):
+            continue
+    return False
 
 
 def _final_progress(storage: Storage, job: BuildJob, input_index: int, source: InputSource,
-                    recorded: list[dict]) -> dict[str, Any]:
-    """An input's final progress, by tokenizing it again: each block it makes must be the one
-    the index records."""
+                    recorded: list[dict], start: dict[str, Any]) -> dict[str, Any]:
+    """An input's final progress, by tokenizing it again from `start`: each block it makes must
+    be the one the index records."""
     with _scratch_job(job) as (scratch_job, scratch):
-        for event in build_input(scratch_job, input_index, source, dict(_START)):
+        for event in build_input(scratch_job, input_index, source, start):
             if isinstance(event, BlockWritten):
                 k = event.entry["index"]
                 if k >= len(recorded) or not _same_files(event.entry, recorded[k]):
@@ -206,13 +229,14 @@ def _input_source(spec_input: dict[str, Any], storage_options: dict[str, Any] | 
 
 
 def _rebuild_input(storage: Storage, job: BuildJob, manifest: dict[str, Any], input_index: int,
-                   wanted: dict[int, _Damaged], storage_options: dict[str, Any] | None) -> list[str]:
-    """Re-tokenize one input from its start into a scratch directory; put back the damaged files
-    of the wanted blocks. Returns the files written."""
+                   wanted: dict[int, _Damaged], storage_options: dict[str, Any] | None,
+                   start: dict[str, Any]) -> list[str]:
+    """Re-tokenize one input from its start (`start`) into a scratch directory; put back the
+    damaged files of the wanted blocks. Returns the files written."""
     source = _input_source(manifest["spec"]["inputs"][input_index], storage_options)
     with _scratch_job(job) as (scratch_job, scratch):
         written: list[str] = []
-        for event in build_input(scratch_job, input_index, source, dict(_START)):
+        for event in build_input(scratch_job, input_index, source, dict(start)):
             if not isinstance(event, BlockWritten):
                 continue
             rebuilt = event.entry
@@ -227,6 +251,16 @@ def _rebuild_input(storage: Storage, job: BuildJob, manifest: dict[str, Any], in
 
 
 _START = {"records": 0, "skipped": {}, "blocks": 0}
+
+
+def _start(storage: Storage, manifest: dict[str, Any], entries: list[dict]) -> dict[str, Any]:
+    """Where an input's rebuild starts: its first record, keeping record runs as the cache's
+    blocks do (format.provenance: not in a cache an older builder made)."""
+    documents = [0] * len(manifest["spec"]["inputs"])
+    for e in entries:
+        documents[e["input"]] += e["num_documents"]
+    head = read_head(storage, manifest["fingerprint"]) if manifest["version"] >= 2 else None
+    return dict(_START, documents=0 if provenance.keeps_runs(head, documents) else None)
 
 
 @contextlib.contextmanager

@@ -14,10 +14,13 @@ from ..format.tokenizer import tokenizer_from_json
 from .chat import trained_token_mask
 
 _EOS_CANDIDATES = ("<|endoftext|>", "</s>", "<eos>", "<|end_of_text|>", "<|eot_id|>", "[SEP]")
-# A blank line followed by a non-space: GPT-2's byte-level pre-tokenizer always cuts between the
-# two newlines there, so encoding the halves separately yields exactly the same ids.
+# A blank line followed by a non-space: a *candidate* cut, between the two newlines. GPT-2's
+# pre-tokenizer splits there when the non-space is plain text, but not when it is an added token
+# (<|im_end|>, [/INST]...), which the tokenizer splits out first, leaving "\n\n" one token; so
+# every cut an encoder makes is also checked by the tokenizer itself (DocumentEncoder.pieces).
 _SAFE_CUT = re.compile(r"(?<=\n)(?=\n\S)")
 _PIECE_CHARS = 16_384
+_CHECK_CHARS = 64  # characters on each side of a cut that the tokenizer encodes to prove it
 
 
 def special_token_id(tok: Tokenizer, token: int | str | None, role: str) -> int | None:
@@ -49,11 +52,10 @@ def special_token_id(tok: Tokenizer, token: int | str | None, role: str) -> int 
 
 
 def can_cut_safely(tok: Tokenizer) -> bool:
-    """True when cutting text at _SAFE_CUT provably leaves the ids unchanged.
-
-    That holds for a byte-level BPE with the GPT-2 regex and no prefix space (GPT-2, GPT-NeoX,
-    Pythia...), with no normalizer or NFC, and no added token that could span or eat the cut.
-    """
+    """True when long texts may be cut before encoding at all: a byte-level BPE with the GPT-2
+    regex and no prefix space (GPT-2, GPT-NeoX, Pythia...), with no normalizer or NFC, and no
+    added token that could span or eat a cut. Each cut is still proven by the tokenizer before it
+    is made (DocumentEncoder.pieces); a blank line before an added token is never one."""
     spec = json.loads(tok.to_str())
     pre = spec.get("pre_tokenizer") or {}
     if pre.get("type") == "Sequence" and len(pre.get("pretokenizers", [])) == 1:
@@ -69,19 +71,36 @@ def can_cut_safely(tok: Tokenizer) -> bool:
     return True
 
 
-def cut_text(text: str, target: int = _PIECE_CHARS) -> list[str]:
-    """Cut a long text into pieces of about `target` characters at safe cut points only."""
-    if len(text) <= 2 * target:
-        return [text]
-    pieces, start = [], 0
+def cut_points(text: str, target: int = _PIECE_CHARS,
+               candidates: re.Pattern[str] = _SAFE_CUT) -> list[int]:
+    """Candidate cuts of a long text: the first match of `candidates` at or after every `target`
+    characters (none for a text under 2 * target). Candidates only: DocumentEncoder keeps a cut
+    only once the tokenizer has shown that it leaves the ids unchanged."""
+    cuts: list[int] = []
+    start = 0
     while len(text) - start > 2 * target:
-        match = _SAFE_CUT.search(text, start + target)
+        match = candidates.search(text, start + target)
         if match is None:
             break
-        pieces.append(text[start:match.start()])
         start = match.start()
-    pieces.append(text[start:])
-    return pieces
+        cuts.append(start)
+    return cuts
+
+
+def cut_text(text: str, target: int = _PIECE_CHARS) -> list[str]:
+    """A long text cut into pieces of about `target` characters at the candidate cuts."""
+    bounds = [0, *cut_points(text, target), len(text)]
+    return [text[a:b] for a, b in zip(bounds, bounds[1:])]
+
+
+def cut_candidates(tok: Tokenizer) -> re.Pattern[str]:
+    """_SAFE_CUT less the blank lines followed by one of the tokenizer's added tokens (special or
+    not), where "\n\n" stays one token."""
+    added = sorted({t.content for t in tok.get_added_tokens_decoder().values() if t.content},
+                   key=len, reverse=True)
+    if not added:
+        return _SAFE_CUT
+    return re.compile(r"(?<=\n)(?=\n(?!" + "|".join(map(re.escape, added)) + r")\S)")
 
 
 class DocumentEncoder:
@@ -94,27 +113,60 @@ class DocumentEncoder:
     def __init__(self, tokenizer_json: str, *, bos_id: int | None, eos_id: int | None,
                  dtype: np.dtype, special_tokens_as_text: bool = True, cut: bool | None = None,
                  piece_chars: int = _PIECE_CHARS):
-        self.tok = tokenizer_from_json(tokenizer_json)
+        self.tok = tokenizer_from_json(untrimmed_offsets(tokenizer_json))
         self.tok.encode_special_tokens = special_tokens_as_text
         self.bos_id, self.eos_id, self.dtype = bos_id, eos_id, np.dtype(dtype)
         self.cut = can_cut_safely(self.tok) if cut is None else cut
         self.piece_chars = piece_chars
+        self._candidates = cut_candidates(self.tok) if self.cut else _SAFE_CUT
+        longest = max((len(t.content) for t in self.tok.get_added_tokens_decoder().values()),
+                      default=0)
+        self._check_chars = max(_CHECK_CHARS, 2 * longest + 2)
         self._token_bytes: np.ndarray | None = None  # made at the first encode_trained
         self._token_bytes_known = False
 
-    def _pieces(self, texts: Sequence[str]) -> tuple[list[str], list[int]]:
-        """The texts cut at safe points (when the tokenizer allows), and each text's piece count."""
+    def pieces(self, texts: Sequence[str]) -> tuple[list[str], list[int]]:
+        """The texts cut into pieces to encode in parallel, and each text's piece count.
+
+        Only for a tokenizer can_cut_safely accepts, and only at cuts the tokenizer proves: the
+        text around each candidate cut (_check_chars on each side) is encoded whole and as its
+        two halves, and the cut is kept only when the halves' ids join into exactly the whole's.
+        A cut it refuses is simply not made (that piece grows).
+        """
+        cuts = [cut_points(text, self.piece_chars, self._candidates) if self.cut else []
+                for text in texts]
+        if any(cuts):
+            cuts = self.proven_cuts(texts, cuts)
         pieces: list[str] = []
         counts: list[int] = []
-        for text in texts:
-            parts = cut_text(text, self.piece_chars) if self.cut else [text]
-            pieces.extend(parts)
-            counts.append(len(parts))
+        for text, points in zip(texts, cuts):
+            bounds = [0, *points, len(text)]
+            pieces.extend(text[a:b] for a, b in zip(bounds, bounds[1:]))
+            counts.append(len(bounds) - 1)
         return pieces, counts
+
+    def proven_cuts(self, texts: Sequence[str], cuts: list[list[int]]) -> list[list[int]]:
+        """The cuts whose two sides encode to exactly the ids of the text around them."""
+        width, checks = self._check_chars, []
+        for text, points in zip(texts, cuts):
+            for c in points:
+                a, b = max(0, c - width), min(len(text), c + width)
+                checks.extend((text[a:b], text[a:c], text[c:b]))
+        encode = getattr(self.tok, "encode_batch_fast", self.tok.encode_batch)
+        ids = iter([e.ids for e in encode(checks, add_special_tokens=False)])
+        proven = []
+        for points in cuts:
+            kept = []
+            for c in points:
+                whole, left, right = next(ids), next(ids), next(ids)
+                if whole == left + right:
+                    kept.append(c)
+            proven.append(kept)
+        return proven
 
     def encode_with_offsets(self, texts: Sequence[str]) -> list[tuple[list[int], np.ndarray]]:
         """Each text's ids (no BOS/EOS) and their (start, end) character offsets in the text."""
-        pieces, counts = self._pieces(texts)
+        pieces, counts = self.pieces(texts)
         encodings = self.tok.encode_batch(pieces, add_special_tokens=False)
         out, i = [], 0
         for n in counts:
@@ -146,7 +198,7 @@ class DocumentEncoder:
         if sizes is None:
             return [(np.asarray(ids, dtype=np.int64), trained_token_mask(offsets, text_spans))
                     for (ids, offsets), text_spans in zip(self.encode_with_offsets(texts), spans)]
-        pieces, counts = self._pieces(texts)
+        pieces, counts = self.pieces(texts)
         encodings = self.tok.encode_batch_fast(pieces, add_special_tokens=False)
         out: list[Any] = []
         again, i = [], 0
@@ -166,7 +218,7 @@ class DocumentEncoder:
         return out
 
     def encode(self, texts: Sequence[str]) -> list[np.ndarray]:
-        pieces, counts = self._pieces(texts)
+        pieces, counts = self.pieces(texts)
         encodings = self.tok.encode_batch_fast(pieces, add_special_tokens=False) \
             if hasattr(self.tok, "encode_batch_fast") else \
             self.tok.encode_batch(pieces, add_special_tokens=False)
@@ -182,6 +234,21 @@ class DocumentEncoder:
             i += n
         return out
 
+
+
+def untrimmed_offsets(tokenizer_json: str) -> str:
+    """The tokenizer.json with its post-processor's offset trimming off (GPT-NeoX, RoBERTa): the
+    same ids, but each token's offsets cover all its characters, whitespace included, so a token
+    made only of untrained characters (a prompt's trailing spaces) is never taken for a zero-width
+    token at the start of a trained span."""
+    spec = json.loads(tokenizer_json)
+    post = spec.get("post_processor") or {}
+    found = False
+    for part in [post, *post.get("processors", [])]:
+        if isinstance(part, dict) and part.get("trim_offsets"):
+            part["trim_offsets"] = False
+            found = True
+    return json.dumps(spec) if found else tokenizer_json
 
 
 def token_byte_lengths(tok: Tokenizer) -> np.ndarray | None:

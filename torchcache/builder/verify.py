@@ -15,8 +15,9 @@ import numpy as np
 
 from ..format import blocks as fmt
 from ..format.documents import docs_max_size, has_documents, read_docs_file
-from ..read.cache_files import (CacheFiles, check_block_file, load_keys, load_offsets, locate_cache,
-                                offsets_max_size)
+from ..read.cache_files import (CacheFiles, check_block_file, load_keys, load_offsets, load_record_runs,
+                                locate_cache, offsets_max_size)
+from ..format.provenance import last_record, past_the_input
 from ..errors import CacheFormatError
 from ..format.ledger import HEAD_NAME, INDEX_DIR, BlockTable, lost_head, read_manifest, stored_index
 from ..format.tokenizer import check_cache_tokenizer
@@ -83,7 +84,8 @@ def check_cache(path: str | os.PathLike, storage_options: dict[str, Any] | None 
                                 "or corrupted (restore it or rebuild the cache)", None, fmt.MANIFEST_NAME))
     table = BlockTable.from_entries(manifest["blocks"] + manifest.get("pending", []),
                                     docs=has_documents(manifest["spec"]))
-    return problems + _check_files(source, manifest["spec"], table)
+    counts = [int(p["records"]) for p in manifest["inputs"]]  # records read of each input so far
+    return problems + _check_files(source, manifest["spec"], table, counts)
 
 
 def _check_without_head(source: CacheFiles, lost: str) -> list[Problem]:
@@ -97,12 +99,16 @@ def _check_without_head(source: CacheFiles, lost: str) -> list[Problem]:
                                    BlockTable(records, docs=has_documents(manifest["spec"])))
 
 
-def _check_files(source: CacheFiles, spec: dict[str, Any], table: BlockTable) -> list[Problem]:
-    """The problems of the tokenizer and of every block of `table` (Problem.entry: its row)."""
+def _check_files(source: CacheFiles, spec: dict[str, Any], table: BlockTable,
+                 counts: list[int] | None = None) -> list[Problem]:
+    """The problems of the tokenizer and of every block of `table` (Problem.entry: its row);
+    `counts`: each input's records read so far (a block's documents come from records below it),
+    None when unknown."""
     problems = _check_tokenizer(source, spec, len(table) > 0)
     dtype = fmt.DTYPES[spec["dtype"]]
     for b in range(len(table)):
-        problems.extend(_check_block(source, spec, table, b, dtype))
+        limit = None if counts is None else counts[table.input(b)]
+        problems.extend(_check_block(source, spec, table, b, dtype, limit))
     return problems
 
 
@@ -136,15 +142,23 @@ class _BlockFile:
     check: Callable[[int, str], Any]
 
 
-def _block_files(spec: dict[str, Any], table: BlockTable, b: int, dtype: np.dtype) -> list[_BlockFile]:
-    """Block b's files: tokens, offsets, and its keys file (v1/v2) or documents sidecar (v3)."""
+def _block_files(spec: dict[str, Any], table: BlockTable, b: int, dtype: np.dtype,
+                 records: int | None = None) -> list[_BlockFile]:
+    """Block b's files: tokens, offsets, and its keys file (v1/v2) or documents sidecar (v3);
+    `records`: its input's record count, which no stored record number may reach."""
     record = table.records[b]
     tokens, documents, size = int(record["num_tokens"]), int(record["num_documents"]), int(record["size"])
+    input_path = spec["inputs"][table.input(b)]["path"]
+
+    def check_offsets(fd: int, path: str) -> None:
+        load_offsets(fd, path, documents, tokens)
+        runs = load_record_runs(fd, path, documents)
+        if runs is not None:
+            past_the_input(path, last_record(runs), records, input_path)
     files = [_BlockFile(table.path(b), table.checksum(b), size,
                         lambda fd, path: check_block_file(fd, path, dtype, tokens, size)),
              _BlockFile(table.offsets_path(b), table.checksum(b, "offsets_checksum"),
-                        offsets_max_size(documents),
-                        lambda fd, path: load_offsets(fd, path, documents, tokens))]
+                        offsets_max_size(documents), check_offsets)]
     if table.has_keys(b):
         files.append(_BlockFile(table.keys_path(b), table.checksum(b, "keys_checksum"),
                                 fmt.MAX_KEYS_BYTES, lambda fd, path: load_keys(fd, path, documents)))
@@ -152,17 +166,21 @@ def _block_files(spec: dict[str, Any], table: BlockTable, b: int, dtype: np.dtyp
         kept = spec["documents"]
 
         def check_docs(fd: int, path: str) -> None:
-            read_docs_file(fd, path, documents, tokens, mask=bool(kept["loss_mask"]),
-                           fields=bool(kept["keep_fields"]))
+            docs = read_docs_file(fd, path, documents, tokens, mask=bool(kept["loss_mask"]),
+                                  fields=bool(kept["keep_fields"]))
+            if len(docs.records):
+                past_the_input(path, int(docs.records[-1]), records, input_path)
+            for d in range(documents if docs.fields is not None else 0):
+                docs.fields_of(d)  # each kept-fields object decodes
         files.append(_BlockFile(table.docs_path(b), table.checksum(b, "keys_checksum"),
                                 docs_max_size(documents, tokens), check_docs))
     return files
 
 
 def _check_block(source: CacheFiles, spec: dict[str, Any], table: BlockTable, b: int,
-                 dtype: np.dtype) -> list[Problem]:
+                 dtype: np.dtype, records: int | None = None) -> list[Problem]:
     """Problems of block b's files: checksums first, then (if intact) their contents."""
-    files = _block_files(spec, table, b, dtype)
+    files = _block_files(spec, table, b, dtype, records)
     problems, opened = [], []
     try:
         for f in files:

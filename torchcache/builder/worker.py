@@ -24,6 +24,7 @@ from .chat import mask_runs
 from .formats import RecordShaper
 from .functions import unpack_function
 from ..format.documents import write_docs_file
+from ..format.provenance import RUNS_TENSOR, needs_runs, runs_of
 
 _BATCH_CHARS = 4 << 20
 _BATCH_DOCS = 1024
@@ -170,7 +171,10 @@ def build_input(job: BuildJob, index: int, source: InputSource | Iterable[str],
     else:
         stream = iter_strings(source, records, job.on_error, start_digest=digest,
                               output=job.output.url, objects=whole)
-    block = _BlockBuilder(job, index)
+    # the input's documents before the resume point, to know which blocks must keep their
+    # records (format.provenance; None: a cache an older builder started, which kept none)
+    documents = start.get("documents", 0)
+    block = _BlockBuilder(job, index, documents)
     # the input's resume point as of the last document: record number, skip counts, content hash
     last: tuple[int, dict[str, int], str | None] = (records, dict(skipped), digest)
 
@@ -179,8 +183,10 @@ def build_input(job: BuildJob, index: int, source: InputSource | Iterable[str],
         entry = block.write(block_no)
         block_no += 1
         upto, counts, upto_digest = last
-        return BlockWritten(index, entry, {"records": upto, "skipped": dict(counts),
-                                           "blocks": block_no, "digest": upto_digest})
+        progress = {"records": upto, "skipped": dict(counts), "blocks": block_no, "digest": upto_digest}
+        if block.documents_before is not None:  # the input's documents so far (format.provenance)
+            progress["documents"] = block.documents_before
+        return BlockWritten(index, entry, progress)
 
     if isinstance(source, InputSource):
         path = source.path
@@ -219,9 +225,10 @@ class _Encoded:
 class _BlockBuilder:
     """The documents of the block being filled, and how to write it."""
 
-    def __init__(self, job: BuildJob, index: int):
+    def __init__(self, job: BuildJob, index: int, documents_before: int | None = 0):
         self.job, self.index = job, index
         self.masked = bool(job.documents and job.documents["loss_mask"])
+        self.documents_before = documents_before  # the input's documents in earlier blocks
         self._reset()
 
     def _reset(self) -> None:
@@ -236,14 +243,19 @@ class _BlockBuilder:
         self.docs.append(doc.ids)
         self.tokens += len(doc.ids)
         self.keys.append(record.key)
+        self.records.append(record.number - 1)  # 0-based (numbers are 1-based lines)
         if self.job.documents is not None:
-            self.records.append(record.number - 1)  # 0-based (numbers are 1-based lines)
             self.fields.append(shaped.fields if shaped.fields is not None else b"{}")
             if self.masked:
                 self.trained.append(doc.trained)
 
     def write(self, block_no: int) -> dict[str, Any]:
-        entry = _write_block(self.job, self.index, block_no, self.docs, self.keys)
+        runs = None  # v3 keeps every record in its documents sidecar; text: runs where needed
+        if self.job.documents is None and needs_runs(self.records, self.documents_before):
+            runs = runs_of(self.records)
+        if self.documents_before is not None:
+            self.documents_before += len(self.docs)
+        entry = _write_block(self.job, self.index, block_no, self.docs, self.keys, runs)
         if self.job.documents is not None:
             runs = mask_runs(np.concatenate(self.trained)) if self.masked else None
             fields = self.fields if self.job.documents["keep_fields"] else None
@@ -409,14 +421,16 @@ class _Batches:
 
 
 def _write_block(job: BuildJob, index: int, block_no: int, docs: list[np.ndarray],
-                 keys: list[str | None]) -> dict[str, Any]:
+                 keys: list[str | None], record_runs: np.ndarray | None = None) -> dict[str, Any]:
     tokens = np.concatenate(docs).astype(job.dtype, copy=False)
     offsets = np.zeros(len(docs) + 1, dtype=np.int64)
     np.cumsum([len(d) for d in docs], out=offsets[1:])
     path = fmt.block_name(index, block_no)
     meta = {"format": fmt.FORMAT_NAME, "version": fmt.BLOCK_FILE_VERSION}
     block = fmt.write_tensor_file(job.output, path, "tokens", tokens, meta)
-    side = fmt.write_tensor_file(job.output, fmt.offsets_name(path), "offsets", offsets, meta)
+    sidecar = {"offsets": offsets} if record_runs is None else {"offsets": offsets,
+                                                                  RUNS_TENSOR: record_runs}
+    side = fmt.write_tensors_file(job.output, fmt.offsets_name(path), sidecar, meta)
     entry = {"path": block.path, "checksum": block.checksum, "size": block.size,
              "offsets": side.path, "offsets_checksum": side.checksum,
              "num_tokens": int(len(tokens)), "num_documents": len(docs),

@@ -55,12 +55,25 @@ class BlockDocuments:
     runs: np.ndarray | None    # int64 (n, 2): (start, length) of trained runs, block-relative
     fields: bytes | None
     field_offsets: np.ndarray | None
+    path: str = ""             # the sidecar's path, for errors
 
     def fields_of(self, d: int) -> dict[str, Any]:
-        """The kept fields of the block's document d ({} when none were kept)."""
+        """The kept fields of the block's document d ({} when none were kept); damaged bytes
+        there are a CacheFormatError naming the sidecar, never a bare decoding error."""
         if self.fields is None:
             return {}
-        return json.loads(self.fields[int(self.field_offsets[d]): int(self.field_offsets[d + 1])])
+        raw = self.fields[int(self.field_offsets[d]): int(self.field_offsets[d + 1])]
+        try:
+            value = json.loads(raw.decode("utf-8"))
+        except (UnicodeDecodeError, ValueError, RecursionError) as e:
+            raise CacheFormatError(f"{self.path}: the kept fields of document {d} of the block are "
+                                   f"not UTF-8 JSON ({type(e).__name__}: {e}); the documents sidecar "
+                                   "is corrupted (run `torchcache verify --repair`)") from None
+        if not isinstance(value, dict):
+            raise CacheFormatError(f"{self.path}: the kept fields of document {d} of the block are "
+                                   f"a JSON {type(value).__name__}, not an object; the documents "
+                                   "sidecar is corrupted (run `torchcache verify --repair`)")
+        return value
 
 
 def write_docs_file(storage: Storage, rel_path: str, records: Sequence[int], runs: np.ndarray | None,
@@ -122,7 +135,7 @@ def read_docs_file(fd: int, path: str, num_documents: int, num_tokens: int,
         text = bytes(fmt.read_exact(fd, h.data_start, h.length, path))
         if offsets[0] != 0 or offsets[-1] != len(text) or np.any(np.diff(offsets) < 0):
             raise bad("field_offsets do not cover fields")
-    return BlockDocuments(records, runs, text, offsets)
+    return BlockDocuments(records, runs, text, offsets, path)
 
 
 def _array(fd: int, path: str, header: fmt.TensorHeader, dtypes: tuple[str, ...], length: int | None,

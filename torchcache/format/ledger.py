@@ -33,6 +33,7 @@ from .._util import hooks
 from ..errors import CacheFormatError
 from . import blocks as fmt
 from . import documents
+from . import provenance
 from .storage import HEAD, LocalStorage, RemoteStorage, Storage, open_storage
 
 HEAD_NAME = HEAD
@@ -379,6 +380,8 @@ def read_head(storage: Storage, fingerprint: str) -> dict[str, Any]:
     skipped = head.get("skipped")
     if not isinstance(skipped, dict) or not all(type(v) is int and v >= 0 for v in skipped.values()):
         raise bad("skipped must map reasons to counts")
+    if head.get(provenance.HEAD_KEY, True) is not True:
+        raise bad(f"{provenance.HEAD_KEY} may only be true")
     return head
 
 
@@ -608,6 +611,12 @@ def head_from_log(storage: Storage) -> dict[str, Any]:
                                f"do not match the {len(stream)} blocks the commit log makes visible; "
                                "head.json cannot be restored. Rebuild the cache into a new directory")
     head = _head_of(manifest["fingerprint"], records_of(stream), progress)
+    # a builder that keeps record runs counts each input's documents in its blocks' progress
+    counted = [r.get("progress", {}) for r in read_log(storage, count, chunk) if "entry" in r]
+    if counted and all("documents" in p for p in counted) and (not complete or any(
+            p["records"] != sum(e["num_documents"] for e in blocks)
+            for p, blocks in zip(progress, per_input))):
+        head[provenance.HEAD_KEY] = True
     if complete:
         return dict(head, records=0, inputs=[dict(p, done=True) for p in progress])
     return dict(head, complete=False, records=count)

@@ -11,6 +11,7 @@ from typing import Union
 from tokenizers import Tokenizer
 
 from ..errors import CacheFormatError
+from .model_folder import model_file_path
 
 TokenizerLike = Union[str, os.PathLike, Tokenizer]
 
@@ -23,8 +24,8 @@ def load_tokenizer(tokenizer: TokenizerLike) -> Tokenizer:
         raise TypeError(f"tokenizer must be a tokenizer.json path or a tokenizers.Tokenizer, "
                         f"not {type(tokenizer).__name__}")
     path = os.fspath(tokenizer)
-    if os.path.isdir(path):
-        path = os.path.join(path, "tokenizer.json")
+    if os.path.isdir(path):  # a model folder: its tokenizer.json, if any link to it stays inside
+        path = model_file_path(path, "tokenizer.json") or os.path.join(path, "tokenizer.json")
     try:
         with open(path, "rb") as f:
             data = f.read()

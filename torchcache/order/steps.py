@@ -15,7 +15,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Sequence
 
-__all__ = ["StepMap", "StepSegment", "merge_skips"]
+__all__ = ["StepMap", "StepSegment", "check_state_steps", "merge_skips"]
 
 
 @dataclass(frozen=True)
@@ -141,6 +141,39 @@ class StepMap:
         kept = [s for s in self.segments if s.step < step]
         return StepMap(kept + [StepSegment(step, position, world_size, batch_size, epoch_size,
                                            drop_last)])
+
+
+def check_state_steps(steps: StepMap, consumed: int, world_size: int, batch_size: int | None,
+                      num_samples: int | None, where: str = "state") -> None:
+    """ValueError unless a loader state's step segments agree with its other fields: the
+    segment in effect at `consumed` batches `world_size` ranks x `batch_size` samples (when the
+    state has one), `consumed` falls where a step starts or ends (a loader counts whole global
+    batches received), and each segment's loader epoch is that of `num_samples` samples at its
+    world size (rounded up, or down with drop_last). A state edited in one field but not the
+    other would otherwise resume, and name (step_samples, skips, trace) other data than it read."""
+    step = steps.step_at(consumed)
+    segment = steps._segment(step)
+    fix = "the state was edited or is damaged; resume from the state the loader saved"
+    if (segment.world_size, segment.batch_size if batch_size is not None else None) != \
+            (world_size, batch_size):
+        raise ValueError(f"{where}['steps'] reads step {step} (position {consumed}) with world_size "
+                         f"{segment.world_size} and batch_size {segment.batch_size}, but "
+                         f"{where}['world_size'] is {world_size} and {where}['batch_size'] "
+                         f"{batch_size}; {fix}")
+    bounds = {steps.positions(step)[0]} | ({steps.positions(step - 1)[1]} if step > 0 else set())
+    if consumed not in bounds:
+        raise ValueError(f"{where}['consumed'] is {consumed}, inside global step {step - 1} "
+                         f"(positions {steps.positions(step - 1)[0]}-{steps.positions(step - 1)[1]}) "
+                         f"of {where}['steps'], not where a step starts or ends; {fix}")
+    for k, s in enumerate(steps.segments):
+        if num_samples is None or s.epoch_size is None:
+            continue
+        W = s.world_size
+        allowed = (W * -(-num_samples // W), W * (num_samples // W))
+        if s.epoch_size not in allowed:
+            raise ValueError(f"{where}['steps'][{k}] has loader epochs of {s.epoch_size} positions, "
+                             f"but {where}['num_samples'] {num_samples} at world size {s.world_size} "
+                             f"gives {allowed[0]} (or {allowed[1]} with drop_last); {fix}")
 
 
 def merge_skips(skips: Sequence[Sequence[int]], where: str = "skips") -> list[tuple[int, int]]:

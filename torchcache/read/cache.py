@@ -43,11 +43,12 @@ from tokenizers import Tokenizer
 from ..format import blocks as fmt
 from .._util.args import index_array, int_arg, unsigned_max
 from .._util.lru import LRUCache
-from .cache_files import (check_block_file, load_keys, load_offsets, locate_cache, named_map_copy,
-                          offsets_max_size)
+from .cache_files import (check_block_file, load_keys, load_offsets, load_record_runs, locate_cache,
+                          named_map_copy, offsets_max_size)
 from ..errors import CacheFormatError
 from ..format.documents import BlockDocuments, docs_max_size, has_loss_mask, read_docs_file
 from ..format.ledger import BlockTable, CacheState, open_state, refresh_state
+from ..format.provenance import derived_records_hold, input_records, past_the_input, record_at
 from .trained_runs import TrainedRuns
 from .local_copies import STAT_FIELDS, STATS_DIR, SessionStats, parse_size, tree_bytes
 from .remote_reads import ArrayReads, BoundedReader, ReadOrder
@@ -346,6 +347,7 @@ class TokenCache:
         self._checked_blocks: LRUCache[tuple[str, int]] = LRUCache(_MAX_CHECKED_BLOCKS)
         self._keys_cache: LRUCache[list[str | None]] = LRUCache(_MAX_CACHED_KEYS)
         self._docs_cache: LRUCache[BlockDocuments] = LRUCache(_MAX_CACHED_DOCS)
+        self._runs_cache: LRUCache[tuple] = LRUCache(_MAX_CACHED_DOCS)  # (record runs or None,)
         self._trained = TrainedRuns()  # the mask runs of the blocks read so far
         self._verified: set[str] = set()
         self._init_process_state()
@@ -1074,24 +1076,53 @@ class TokenCache:
 
     def document_info(self, i: int) -> dict[str, Any]:
         """Where document i came from: its input file, the 0-based index of its record there
-        (line - 1 of a JSON lines file, item of an iterable; None in caches that do not keep it:
-        format v1/v2), the fields kept with it, and its sample key where it has one.
+        (line - 1 of a JSON lines file, row of a Parquet file, sample of a tar, item of an
+        iterable), the fields kept with it, and its sample key where it has one. ``record`` is
+        None only in caches built before records were kept, where it cannot be known (a text
+        cache with blank or skipped records, see :mod:`torchcache.format.provenance`). A stored
+        record past its input's record count is a CacheFormatError naming the sidecar.
 
         >>> cache.document_info(12)  # doctest: +SKIP
         {'document': 12, 'input': 'chats/part-0.jsonl', 'record': 12, 'fields': {'id': 'a7'}}
         """
         i = self._check_document(i)
         b = self._document_block(i)
-        info: dict[str, Any] = {"document": i,
-                                "input": self.spec["inputs"][self._table.input(b)]["path"],
+        local, k = i - int(self._doc_starts[b]), self._table.input(b)
+        info: dict[str, Any] = {"document": i, "input": self.spec["inputs"][k]["path"],
                                 "record": None, "fields": {}}
+        count = input_records(self._state.head, k)
         if self.spec.get("documents") is not None:
-            docs, local = self._block_docs(b), i - int(self._doc_starts[b])
+            docs = self._block_docs(b)
             info.update(record=int(docs.records[local]), fields=docs.fields_of(local))
+            past_the_input(docs.path, info["record"], count, info["input"])
+        else:
+            (runs,) = self._runs_cache.get_or_make(b, lambda: (self._load_record_runs(b),))
+            if runs is not None:
+                info["record"] = record_at(runs, local)
+                past_the_input(f"{self.url}/{self._table.offsets_path(b)}", info["record"], count,
+                               info["input"])
+            else:
+                ours = self._table.records["input"] == k  # the input's blocks
+                counts = self._table.records["num_documents"]
+                before = int(counts[:b][ours[:b]].sum())
+                if derived_records_hold(self._state.head, k, int(counts[ours].sum())):
+                    info["record"] = before + local
+                    past_the_input(f"{self.url}/head.json", info["record"], count, info["input"])
         key = self.document_key(i)
         if key is not None:
             info["key"] = key
         return info
+
+    @_locked
+    def _load_record_runs(self, b: int) -> np.ndarray | None:
+        """Block b's record runs from its offsets sidecar (None: it stores none)."""
+        path, fd = self._open_file(self._table.offsets_path(b),
+                                   self._table.checksum(b, "offsets_checksum"),
+                                   offsets_max_size(self._block_documents(b)))
+        try:
+            return load_record_runs(fd, path, self._block_documents(b))
+        finally:
+            os.close(fd)
 
     def document_lengths(self) -> np.ndarray:
         """Length in tokens of every document (reads all offset sidecars; for stats).

@@ -24,11 +24,13 @@ import numpy as np
 
 from ..format import blocks as fmt
 from ..errors import CacheFormatError
+from ..format.provenance import RUNS_TENSOR, check_runs
 from .local_copies import (SessionStats, copy_name, discard_copy, fetch_verified, mark_verified,
                            trusted_copy)
 from ..format.storage import TMP_MARK, LocalStorage, RemoteStorage, Storage, is_remote, open_storage
 
-__all__ = ["CacheFiles", "check_block_file", "load_keys", "load_offsets", "locate_cache",
+__all__ = ["CacheFiles", "check_block_file", "load_keys", "load_offsets", "load_record_runs",
+           "locate_cache",
            "named_map_copy", "offsets_max_size"]
 
 
@@ -165,12 +167,13 @@ def _check_size(fd: int, path: str, max_size: int | None) -> None:
 
 def offsets_max_size(num_documents: int) -> int:
     """The largest the offsets sidecar of a block of ``num_documents`` documents can be: its
-    safetensors header (capped) and one int64 start per document, plus the end.
+    safetensors header (capped), one int64 start per document plus the end, and at most one
+    (record, count) run per document (see :mod:`torchcache.format.provenance`).
 
     >>> offsets_max_size(0) - offsets_max_size(1)
-    -8
+    -24
     """
-    return 8 + fmt.MAX_HEADER_BYTES + 8 * (num_documents + 1)
+    return 8 + fmt.MAX_HEADER_BYTES + 8 * (num_documents + 1) + 16 * num_documents
 
 
 def _check_checksum(fd: int, path: str, checksum: str) -> None:
@@ -221,7 +224,8 @@ def check_block_file(fd: int, path: str, dtype: np.dtype, num_tokens: int, size:
 
 def load_offsets(fd: int, path: str, num_documents: int, num_tokens: int) -> np.ndarray:
     """A block's document offsets, checked against its manifest entry before and after reading."""
-    header = fmt.read_tensor_header(fd, path, "offsets", os.fstat(fd).st_size)
+    size = os.fstat(fd).st_size
+    header = fmt.read_tensors_header(fd, path, ("offsets",), (RUNS_TENSOR,), size)["offsets"]
     if header.dtype != fmt.DTYPES["I64"] or header.length != num_documents + 1:
         raise CacheFormatError(
             f"{path}: holds {header.length} {fmt.dtype_name(header.dtype)} offsets, the manifest says "
@@ -237,6 +241,23 @@ def load_offsets(fd: int, path: str, num_documents: int, num_tokens: int) -> np.
         raise CacheFormatError(f"{path}: offsets decrease after document {first} (corrupted); "
                                "run `torchcache verify`")
     return offsets
+
+
+def load_record_runs(fd: int, path: str, num_documents: int) -> np.ndarray | None:
+    """A block's record runs ((record, count) rows, checked against its document count), or None
+    when its offsets sidecar has none (its records follow from the index, where they are known)."""
+    headers = fmt.read_tensors_header(fd, path, ("offsets",), (RUNS_TENSOR,), os.fstat(fd).st_size)
+    header = headers.get(RUNS_TENSOR)
+    if header is None:
+        return None
+
+    def bad(what: str) -> CacheFormatError:
+        return CacheFormatError(f"{path}: {what}; the offsets sidecar is corrupted (run "
+                                "`torchcache verify --repair`)")
+    if header.dtype != fmt.DTYPES["I64"] or header.length > 2 * num_documents:
+        raise bad(f"{RUNS_TENSOR} holds {header.length} {fmt.dtype_name(header.dtype)} values, at "
+                  f"most {2 * num_documents} I64 for {num_documents} documents")
+    return check_runs(fmt.read_tensor_data(fd, path, header), num_documents, bad)
 
 
 def load_keys(fd: int, path: str, num_documents: int) -> list[str | None]:

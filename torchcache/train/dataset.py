@@ -20,8 +20,8 @@ A tiny cache, built here from a word-level tokenizer, for the examples of this m
 >>> ds = TokenDataset(f"{tmp.name}/cache", seq_len=8)
 >>> len(ds), ds[0]["input_ids"].tolist(), ds[0]["labels"].tolist()
 (7, [0, 1, 2, 3, 4, 5, 9, 4], [1, 2, 3, 4, 5, 9, 4, 6])
->>> ds.sample_documents(1)  # window 1: tokens 1-4 of document 1, then all of document 2
-[{'source': None, 'document': 1, 'start': 1, 'end': 5}, {'source': None, 'document': 2, 'start': 0, 'end': 4}]
+>>> ds.sample_documents(1)  # window 1: document 1 from token 1, document 2, 3's first (a label)
+[{'source': None, 'document': 1, 'start': 1, 'end': 5}, {'source': None, 'document': 2, 'start': 0, 'end': 4}, {'source': None, 'document': 3, 'start': 0, 'end': 1}]
 >>> batch = ds.get_batch([0, 6])
 >>> batch["input_ids"].shape, batch["labels"].dtype
 (torch.Size([2, 8]), torch.int64)
@@ -50,6 +50,7 @@ from .._util.args import (INT64_MAX, POSITION_LIMIT, bool_arg, choice_arg, index
                     optional_int_arg, unsigned_max)
 from ..read.cache import TokenCache
 from ..read.remote_reads import SamplerReads
+from .agreement import tokenizer_identity
 from .collate import IGNORE_INDEX
 from .sampler import SampleView
 
@@ -177,11 +178,7 @@ class GrowingDataset(Dataset):
         >>> ds.tokenizer_identity  # doctest: +SKIP
         'tokenizer fingerprint 5b3c...'
         """
-        tokenizer = self.cache.spec.get("tokenizer")
-        if tokenizer is not None:
-            return f"tokenizer fingerprint {tokenizer['fingerprint']}"
-        return (f"pre-tokenized ids (no tokenizer), vocab_size={self.cache.vocab_size}, "
-                f"dtype={self.cache.spec['dtype']}")
+        return tokenizer_identity(self.cache)  # (the check's one place: train/agreement.py)
 
     @property
     def content_identity(self) -> dict[str, Any]:
@@ -377,19 +374,23 @@ class TokenDataset(GrowingDataset):
         return self.cache.loss_masks(idx * self.seq_len + shift, self.seq_len)
 
     def sample_documents(self, index: int) -> list[dict[str, Any]]:
-        """Which documents sample ``index``'s ``input_ids`` (its window's first seq_len tokens)
-        come from, in order: ``{"source": None, "document": d, "start": a, "end": b}`` for tokens
-        [a, b) of document d (0 = the document's first token). Concatenating
-        ``cache.document(d)[a:b]`` over the list gives the sample's ``input_ids``; see
-        ``cache.document_info(d)`` for the input file and record. Reads no token data.
+        """Which documents the tokens of sample ``index`` come from, in order: ``{"source": None,
+        "document": d, "start": a, "end": b}`` for tokens [a, b) of document d (0 = the
+        document's first token). The ranges cover every token in ``input_ids`` or ``labels``: with
+        ``labels="shifted"`` the whole window of seq_len + 1 tokens (``labels`` ends with the token
+        after ``input_ids``, which may be the first token of the next document), with
+        ``labels="same"`` its seq_len tokens. Concatenating ``cache.document(d)[a:b]`` over the list
+        gives ``input_ids`` followed (shifted) by the last label; see ``cache.document_info(d)``
+        for the input file and record. Reads no token data.
 
         >>> ds.sample_documents(3)  # doctest: +SKIP
         [{'source': None, 'document': 7, 'start': 1840, 'end': 2011},
-         {'source': None, 'document': 8, 'start': 0, 'end': 1877}]
+         {'source': None, 'document': 8, 'start': 0, 'end': 1878}]
         """
         start = self._check_index(index) * self.seq_len
+        stop = start + self.seq_len + (1 if self.labels == "shifted" else 0)
         return [{"source": None, "document": d, "start": a, "end": b}
-                for d, a, b in self.cache.document_pieces(start, start + self.seq_len)]
+                for d, a, b in self.cache.document_pieces(start, stop)]
 
     def __getitem__(self, index: int) -> dict[str, torch.Tensor]:
         return self.__getitems__([self._check_index(index)])[0]

@@ -13,6 +13,7 @@ own thread, synchronously. Each way makes the same batches from the same functio
 
 from __future__ import annotations
 
+import collections
 import functools
 import itertools
 import threading
@@ -26,9 +27,10 @@ import torch.utils.data
 from .._util.args import bool_arg, flag_arg, int_arg, number_arg, optional_int_arg
 from .counted import PassStart, pass_generators, sampler_name, skip_batches
 from ..order.permutation import PERMUTATION_ALGORITHM
-from ..order.steps import StepMap, StepSegment, merge_skips
+from ..order.steps import StepMap, StepSegment, check_state_steps, merge_skips
 from ..order.state import check_state
 from .dataset import knows_content
+from .fetch_ahead import FetchAhead
 from ..read.cache import TokenCache
 from ..read.prefetch import BatchReader, batch_indices
 from .sampler import DistributedSampler, dataset_length
@@ -36,6 +38,7 @@ from .sampler import DistributedSampler, dataset_length
 __all__ = ["DataLoader", "batched_reader", "pin_batch"]
 
 _DEFAULT_PREFETCH = 4  # batches read ahead by default for a dataset with get_batch
+_HANDED_KEPT = 64  # counts remembered for batches a trainer's fetcher may hold ahead (Lightning: 1)
 
 T_co = TypeVar("T_co", covariant=True)
 
@@ -368,6 +371,12 @@ class DataLoader(torch.utils.data.DataLoader[T_co]):
         self.prefetch_batches = prefetch_batches
         self._prefetcher: weakref.ref[BatchReader] | None = None
         self._live: weakref.ref[_LiveIterator] | None = None  # the iterator state counts
+        self._pristine = True  # no batch received and no state loaded yet
+        # a trainer's fetcher that takes batches ahead of the training step (Lightning), and the
+        # counts (consumed, pass_received, pass_start) before each of the latest batches handed
+        self._fetch_ahead: FetchAhead | None = None
+        self._handed: collections.deque[tuple[int, int, PassStart | None]] = \
+            collections.deque(maxlen=_HANDED_KEPT)
 
     @staticmethod
     def _own_sampler(dataset: Any, sampler: DistributedSampler | None, shuffle: Any, seed: int | None,
@@ -404,12 +413,45 @@ class DataLoader(torch.utils.data.DataLoader[T_co]):
         >>> _ = [next(it) for _ in range(10)]
         >>> loader.consumed  # 10 batches of 8 (on each rank: all ranks together count)
         80
+
+        Under Lightning, batches its fetcher took ahead of the training step are not received
+        yet (torchcache.train.fetch_ahead): they are not counted here, nor in :meth:`state_dict`.
         """
         self._refuse_iterable("consumed")
         if self._counted:
-            return self._resume[0] if self._resume is not None else self._pass_received
+            if self._resume is not None:
+                return self._resume[0]
+            before = self._before_held()
+            return self._pass_received if before is None else before[1]
         self._adopt_sampler_moves()
-        return self._consumed
+        before = self._before_held()
+        return self._consumed if before is None else before[0]
+
+    def _before_held(self) -> tuple[int, int, PassStart | None] | None:
+        """The counts (consumed, pass_received, pass_start) as they were before the batches a
+        trainer's fetcher holds ahead of the training step; None when it holds none."""
+        held = self._fetch_ahead.held() if self._fetch_ahead is not None else 0
+        if not held:
+            return None
+        if held > len(self._handed):
+            raise RuntimeError(
+                f"a trainer's data fetcher holds {held} batches of this DataLoader ahead of the "
+                f"training step, but the loader remembers its counts before the last "
+                f"{len(self._handed)} only, so its state cannot leave them out; fetch at most "
+                f"{_HANDED_KEPT} batches ahead")
+        return self._handed[-held]
+
+    def _forget_held(self) -> None:
+        """No fetcher holds batches of this loader any more (a load or a move of the sampler)."""
+        self._fetch_ahead = None
+        self._handed.clear()
+
+    def _handing_batch(self) -> None:
+        """(The live iterator, before it returns a counted batch) remember the counts before it,
+        for a fetcher that holds it ahead of the training step."""
+        if self._fetch_ahead is not None:
+            self._handed.append((self._consumed, self._pass_received, self._pass_start))
+            self._fetch_ahead.took_batch()
 
     def _refuse_iterable(self, what: str) -> None:
         if self._iterable:
@@ -433,7 +475,11 @@ class DataLoader(torch.utils.data.DataLoader[T_co]):
             self._consumed = sampler.position
             self._read_on_from(self._steps(), self._consumed)
             self._generation += 1
+            live = self._live() if self._live is not None else None
+            if isinstance(live, _CountingIterator) and live.pending:
+                return  # it has not started: it starts at the new position (_begin_pending)
             self._stop_live(_MOVED)
+            self._forget_held()
 
     def _position_sampler(self, position: int) -> None:
         """Move the sampler to ``position`` without taking it for a user's move."""
@@ -468,10 +514,20 @@ class DataLoader(torch.utils.data.DataLoader[T_co]):
     def __iter__(self) -> Iterator[Any]:
         if self._iterable:
             return super().__iter__()
+        fetch_ahead = FetchAhead.of_caller()
+        self._follow_fetcher(fetch_ahead)
         self._stop_live(_REPLACED)
         if self._counted:
             generation = self._generation = self._generation + 1
             live: _LiveIterator = _PassIterator(self, self._pass_batches(), generation)
+        elif fetch_ahead is not None and self._pristine:
+            # Lightning iterates a new loader before it calls sampler.set_epoch (resuming from
+            # the end of an epoch, it loads no state and sets the next epoch): the iterator
+            # starts where the sampler is at its first next(), as torch's lazy samplers do
+            if self._worker_loader is None:
+                _draw_base_seed(self.generator)
+            generation = self._generation = self._generation + 1
+            live = _CountingIterator(self, iter(()), self._consumed, None, generation, pending=True)
         else:
             start, count, generation = self._start()
             if self._worker_loader is None:  # (the workers' loader draws it itself)
@@ -479,6 +535,31 @@ class DataLoader(torch.utils.data.DataLoader[T_co]):
             live = _CountingIterator(self, self._batches(take=None), start, count, generation)
         self._live = weakref.ref(live)
         return live
+
+    def _begin_pending(self, live: _CountingIterator) -> None:
+        """Start ``live``, made by ``iter()`` before a first batch was asked for, where the
+        loader is now (a move of the sampler since, e.g. Lightning's set_epoch, included)."""
+        fetch_ahead, self._live = self._fetch_ahead, None  # (not stopped by a move it follows)
+        start, count, generation = self._start()
+        self._fetch_ahead = fetch_ahead
+        live.restart(self._batches(take=None), start, count, generation)
+        live.pending = False
+        self._live = weakref.ref(live)
+
+    def _follow_fetcher(self, fetch_ahead: FetchAhead | None) -> None:
+        """(At ``iter()``) ``fetch_ahead``: the trainer's fetcher that takes this iterator's
+        batches, if any. The same fetcher may go on holding batches of the previous iterator
+        (Lightning's CombinedLoader starts a loader again within a fetch), so its counts are
+        kept; batches held by another fetcher, or by none now, were dropped: they were never
+        received, and this iterator makes them again."""
+        old = self._fetch_ahead
+        if old is not None and fetch_ahead is not None and old.same_fetcher(fetch_ahead):
+            return
+        before = self._before_held()
+        if before is not None and not self._counted:
+            self._consumed = before[0]
+        self._forget_held()
+        self._fetch_ahead = fetch_ahead
 
     def _pass_batches(self) -> Iterator[Any]:
         """(A sampler of the user's own) a new pass's batches, as torch's DataLoader makes them:
@@ -566,13 +647,22 @@ class DataLoader(torch.utils.data.DataLoader[T_co]):
     def __len__(self) -> int:
         """Batches the next ``iter()`` yields on this rank, from the consumed position.
 
+        While Lightning's fetcher iterates the loader: the batches of the whole loader epoch
+        under way, from its start. Lightning reads the length after loading a checkpoint's state
+        and counts an epoch's batches from its start (also when it resumes mid-epoch), for every
+        epoch after it too.
+
         >>> len(tc.DataLoader(range(10), batch_size=4))
         3
         """
         if self._counted or self._iterable:
             return super().__len__()
         self._follow_dataset_length()
-        count = self.sampler.iteration_length(self.consumed)
+        position = self.consumed
+        epoch_size = self.sampler.epoch_size
+        if self._fetch_ahead is not None and epoch_size:
+            position -= position % epoch_size
+        count = self.sampler.iteration_length(position)
         if count is None:
             raise TypeError("an infinite DataLoader without max_epochs/max_samples has no len()")
         return _num_batches(count, self._samples_per_batch(), self.drop_last)
@@ -622,22 +712,22 @@ class DataLoader(torch.utils.data.DataLoader[T_co]):
         1
         """
         self._refuse_steps("step")
-        return self._steps().step_at(self._consumed)
+        return self._steps().step_at(self.consumed)
 
-    def step_samples(self, step: int) -> np.ndarray:
-        """The dataset indices of global batch `step`, all ranks together: rank ``r`` of ``W``
-        reads ``out[r::W]``. A pure function of the loader's configuration and state (world and
-        batch sizes over the run, recorded in the state; skips keep step numbers), for past and
-        future steps alike; O(global batch), nothing read.
+    def step_samples(self, step: int) -> list[int]:
+        """The dataset indices of global batch `step`, all ranks together, as Python ints: rank
+        ``r`` of ``W`` reads ``out[r::W]``. A pure function of the loader's configuration and
+        state (world and batch sizes over the run, recorded in the state; skips keep step
+        numbers), for past and future steps alike; O(global batch), nothing read.
 
         >>> loader = tc.DataLoader(range(100), batch_size=4, shuffle=True, seed=0)
-        >>> loader.step_samples(0).tolist() == next(iter(loader)).tolist()
+        >>> loader.step_samples(0) == next(iter(loader)).tolist()
         True
         """
         self._refuse_steps("step_samples()")
         step = int_arg(step, "step", minimum=0)
         start, stop = self._steps().positions(step)
-        return self.sampler.indices_for_positions(np.arange(start, stop, dtype=np.int64))
+        return self.sampler.indices_for_positions(np.arange(start, stop, dtype=np.int64)).tolist()
 
     def skip_steps(self, start: int, end: int) -> None:
         """Never train on global steps [start, end): once the loader reaches step ``start`` it
@@ -752,8 +842,11 @@ class DataLoader(torch.utils.data.DataLoader[T_co]):
     def _counted_state(self) -> dict[str, Any]:
         """(A sampler of the user's own) the batches received in the current pass and the random
         state the pass started from (see torchcache.train.counted)."""
+        before = self._before_held()
         if self._resume is not None:  # loaded, not started yet: the state as it was loaded
             batches, start = self._resume
+        elif before is not None and before[2] is not None:  # a fetcher holds batches ahead
+            batches, start = before[1], before[2]
         elif self._pass_start is not None:  # a pass under way
             batches, start = self._pass_received, self._pass_start
         else:  # between passes: the next one starts from the generators as they are now
@@ -817,11 +910,16 @@ class DataLoader(torch.utils.data.DataLoader[T_co]):
             return
         checked = self._checked_state(state)
         consumed = checked["consumed"]
-        self._stop_live(_LOADED)
-        self._consumed = consumed
         saved = StepMap(checked["steps"]) if "steps" in checked else \
             StepMap([StepSegment(0, 0, checked["world_size"], checked["batch_size"] or 1,
                                  self._epoch_size(checked["world_size"]), self.drop_last)])
+        if "steps" in checked:  # its segments must agree with its other fields
+            check_state_steps(saved, consumed, checked["world_size"], checked["batch_size"],
+                              checked["num_samples"])
+        self._stop_live(_LOADED)
+        self._forget_held()
+        self._pristine = False
+        self._consumed = consumed
         self._read_on_from(saved, consumed)
         self._skips = self._with_dataset_skips(list(checked.get("skips", [])))
         self._generation += 1
@@ -845,6 +943,7 @@ class DataLoader(torch.utils.data.DataLoader[T_co]):
         start = PassStart.from_json(checked["rng"], len(generators))
         start.check(generators)
         self._stop_live(_LOADED)
+        self._forget_held()
         self._generation += 1
         self._resume = (checked["batches"], start)
 
@@ -1194,6 +1293,8 @@ class _LiveIterator:
             # loader); a state saved before that resumes at it, to make it again.
             self._failed += 1
             raise
+        if counts:
+            self._loader._handing_batch()
         for _ in range(self._failed + 1):
             self._received_batch(counts)
         self._failed = 0
@@ -1230,13 +1331,15 @@ class _CountingIterator(_LiveIterator):
     """Advances ``loader._consumed`` (global stream positions) as batches are returned."""
 
     def __init__(self, loader: DataLoader, inner: Iterator[Any], start: int, count: int | None,
-                 generation: int) -> None:
+                 generation: int, pending: bool = False) -> None:
         super().__init__(loader, inner, generation)
         self._start = start
         self._count = count
         self._world = loader.sampler.world_size
         self._batch = loader._samples_per_batch()
         self._received = 0  # samples of this rank returned so far
+        #: Not started: the first next() starts it where the loader is then (_begin_pending).
+        self.pending = pending
 
     def restart(self, inner: Iterator[Any], start: int, count: int | None, generation: int) -> None:
         """Go on with `inner`, a new iteration from `start` (after skipped steps)."""
@@ -1245,6 +1348,8 @@ class _CountingIterator(_LiveIterator):
 
     def __next__(self) -> Any:
         loader = self._loader
+        if self.pending and self._stopped is None:
+            loader._begin_pending(self)
         if loader._skips and not self._done and self._stopped is None \
                 and loader._generation == self._generation:
             loader._jump_past_skips(self)
@@ -1264,6 +1369,7 @@ class _CountingIterator(_LiveIterator):
             received = self._count  # the short remainder is dropped: this was the epoch's last batch
         if counts:
             loader._consumed = self._start + received * self._world
+            loader._pristine = False
 
     def _ended(self, counts: bool) -> None:
         if self._count is None:
@@ -1272,6 +1378,8 @@ class _CountingIterator(_LiveIterator):
             self._loader._consumed = self._start + self._count * self._world
 
     def __len__(self) -> int:
+        if self.pending:
+            return len(self._loader)
         if self._count is None:
             raise TypeError("an infinite DataLoader iterator has no len()")
         return _num_batches(self._count, self._batch, self._loader.drop_last)

@@ -48,6 +48,7 @@ from .._util.lru import LRUCache
 from ..order.permutation import PERMUTATION_ALGORITHM
 from ..order.schedule import MIXTURE_ALGORITHM, MixtureSchedule, group_by, prefix_difference
 from ..read.cache import RowPlan, gather_rows
+from .agreement import disagreement, refuse_mixed_templates, refuse_mixed_tokenizers
 from .dataset import DocumentDataset, TokenDataset, knows_content
 from .loader import batched_reader
 from .packed import PackedDataset
@@ -71,47 +72,6 @@ def _shared(values: Mapping[str, str]) -> str | None:
     return "mixed: " + " | ".join(distinct)
 
 
-def _disagreement(values: Mapping[str, str]) -> tuple[str, str] | None:
-    """Names of the first source and the first one whose value differs from it, or None."""
-    items = list(values.items())
-    for name, value in items[1:]:
-        if value != items[0][1]:
-            return items[0][0], name
-    return None
-
-
-def _refuse_mixed_tokenizers(identities: Mapping[str, str]) -> None:
-    """ValueError if the sources' token ids come from different tokenizers."""
-    pair = _disagreement(identities)
-    if pair is None:
-        return
-    a, b = pair
-    raise ValueError(
-        f"sources {a!r} and {b!r} were tokenized differently ({a}: {identities[a]}; {b}: "
-        f"{identities[b]}): the same token id stands for different text in each, so the "
-        "mixture would feed the model nonsense. Build every source with the same tokenizer, or "
-        "pass allow_mixed_tokenizers=True if the model really takes both")
-
-
-def _refuse_mixed_templates(templates: Mapping[str, str]) -> None:
-    """ValueError if the sources' chat caches were rendered with different chat templates."""
-    pair = _disagreement(templates)
-    if pair is None:
-        return
-    a, b = pair
-    raise ValueError(
-        f"sources {a!r} and {b!r} were rendered with different chat templates ({a}: "
-        f"{_excerpt(templates[a])}; {b}: {_excerpt(templates[b])}): the model would learn two "
-        "conversation formats at once. Build both with the same chat_template, or pass "
-        "allow_mixed_templates=True if that is what you want")
-
-
-def _excerpt(text: str, width: int = 60) -> str:
-    """The start of ``text`` on one line, for error messages."""
-    line = " ".join(text.split())
-    return repr(line if len(line) <= width else line[:width] + "...")
-
-
 def _with_loss_masks(datasets: dict[str, Any]) -> dict[str, Any]:
     """``datasets``, each (that can) carrying ``loss_mask`` if any one of them does, so that
     every batch has the same keys; unchanged when none has a mask."""
@@ -123,7 +83,7 @@ def _with_loss_masks(datasets: dict[str, Any]) -> dict[str, Any]:
 
 def _refuse_mixed_items(signatures: Mapping[str, str]) -> None:
     """ValueError if the sources' items have different keys or shapes."""
-    pair = _disagreement(signatures)
+    pair = disagreement(signatures)
     if pair is None:
         return
     a, b = pair
@@ -247,7 +207,7 @@ class MixtureDataset(Dataset):
         self._check_sources_agree(bool_arg(allow_mixed_tokenizers, "allow_mixed_tokenizers"),
                                   bool_arg(allow_mixed_items, "allow_mixed_items"))
         if not bool_arg(allow_mixed_templates, "allow_mixed_templates"):
-            _refuse_mixed_templates(self._chat_templates())
+            refuse_mixed_templates(self._chat_templates())
         #: Which source and which of its samples each index reads (pure, immutable).
         self.schedule = MixtureSchedule(lengths, weights, schedule=schedule, seed=seed,
                                         block_size=block_size)
@@ -275,7 +235,7 @@ class MixtureDataset(Dataset):
         identities = self._source_values("tokenizer_identity")
         signatures = self._source_values("item_signature")
         if not mixed_tokenizers:
-            _refuse_mixed_tokenizers(identities)
+            refuse_mixed_tokenizers(identities)
         if not mixed_items:
             _refuse_mixed_items(signatures)
         self.tokenizer_identity = _shared(identities)
@@ -478,7 +438,8 @@ class MixtureDataset(Dataset):
     @classmethod
     def from_recipe(cls, path: Any, **overrides: Any) -> "MixtureDataset":
         """The mixture a recipe file describes (docs/recipes.md): the very datasets, schedule,
-        seed and block size that ``torchcache mix plan`` printed for it. The recipe's ``skips``
+        seed and block size that ``torchcache mix plan`` printed for it, and ``len()`` its
+        planned run (``total_samples``: one loader epoch is the run). The recipe's ``skips``
         come with it (:attr:`skipped_steps`): a :class:`torchcache.DataLoader` over it never
         trains on those steps. ``overrides``: ``steps``, ``global_batch``, ``samples``,
         ``storage_options``, ``local_dir`` change the plan; other keywords go to the mixture.
@@ -518,7 +479,7 @@ class MixtureDataset(Dataset):
         it gives one entry ``{"source": name, "index": k}``, with k its own index of the sample.
 
         >>> mix.sample_documents(0)  # doctest: +SKIP
-        [{'source': 'web', 'document': 412, 'start': 96, 'end': 2144}]
+        [{'source': 'web', 'document': 412, 'start': 96, 'end': 2145}]
         """
         k, local = self.schedule.locate_one(index)
         name, ds = self.names[k], self._datasets[k]

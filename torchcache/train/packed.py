@@ -239,15 +239,21 @@ class PackedDataset(GrowingDataset):
         """:meth:`row_documents` of row ``index`` in the form every dataset of this package
         gives (see :meth:`torchcache.TokenDataset.sample_documents`): ``{"source": None,
         "document": d, "start": a, "end": b}`` for tokens [a, b) of document d, in row order.
-        Concatenating ``cache.document(d)[a:b]`` over the list gives the row's ``input_ids``
-        without its padding. Reads the pack plan, no token data.
+        The ranges cover every token in the row's ``input_ids`` or ``labels``: a piece of a
+        document that goes on after it (a full piece of a split document, or a truncated one)
+        has the document's next token as its last label, so its range takes that token too; other
+        pieces are exactly their ``input_ids`` (their last label is -100). Reads the pack plan, no
+        token data.
 
         >>> ds.sample_documents(2)  # doctest: +SKIP
         [{'source': None, 'document': 1, 'start': 0, 'end': 5},
          {'source': None, 'document': 3, 'start': 8, 'end': 10}]
         """
-        return [{"source": None, "document": d, "start": a, "end": b}
-                for d, a, b in self.row_documents(index)]
+        i = self._check_index(index)
+        segments = self.plan.segments(np.array([i], dtype=np.int64))
+        goes_on = segments.continues.tolist()
+        return [{"source": None, "document": d, "start": a, "end": b + int(more)}
+                for (d, a, b), more in zip(self.row_documents(i), goes_on)]
 
     def __getitem__(self, index: int) -> dict[str, torch.Tensor]:
         return self.__getitems__([self._check_index(index)])[0]

@@ -37,6 +37,7 @@ import json
 import math
 import numbers
 import os
+import warnings
 from dataclasses import dataclass, field
 from fractions import Fraction
 from typing import Any, Callable, Mapping
@@ -45,12 +46,17 @@ from .._util.args import POSITION_LIMIT, int_arg
 from ..read.pack_plan import PackPlan, plan_identity
 from ..read.cache import TokenCache
 from ..order.schedule import MixtureSchedule
+from .agreement import refuse_mixed_templates, refuse_mixed_tokenizers, tokenizer_identity
 
 __all__ = ["RecipeError", "RecipePlan", "load_recipe", "mixture_from_recipe", "plan_recipe"]
 
 _KINDS = ("tokens", "packed", "documents")
 _TOP_KEYS = {"seed", "block_size", "seq_len", "steps", "global_batch", "samples", "sources",
-             "schedule", "weights", "max_epochs_per_source", "skips"}
+             "schedule", "weights", "max_epochs_per_source", "skips", "allow_mixed_tokenizers",
+             "allow_mixed_templates"}
+# what the sources must agree on (train/agreement.py), each with its recipe key that allows mixing
+_AGREEMENT = {"allow_mixed_tokenizers": refuse_mixed_tokenizers,
+              "allow_mixed_templates": refuse_mixed_templates}
 _SOURCE_KEYS = ("path", "kind", "seq_len", "tokens", "max_epochs")
 # mixture_from_recipe's keyword arguments that change the plan (the rest go to the mixture class)
 _PLAN_OPTIONS = ("steps", "global_batch", "samples", "storage_options", "local_dir")
@@ -123,6 +129,7 @@ class RecipePlan:
     sources: list[SourcePlan]
     stages: list[dict[str, Any]] = field(default_factory=list)
     skips: list[tuple[int, int]] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)  # what deserves a look (a skip past the end)
 
     @property
     def budgeted(self) -> bool:
@@ -134,7 +141,7 @@ class RecipePlan:
                 "total_samples": self.total_samples, "steps": self.steps,
                 "global_batch": self.global_batch,
                 "sources": [vars(s) for s in self.sources], "stages": self.stages,
-                "skips": [list(s) for s in self.skips]}
+                "skips": [list(s) for s in self.skips], "notes": list(self.notes)}
 
     def text(self) -> str:
         out = [f"recipe {self.path}: seed {self.seed}, block_size {self.block_size:,}"]
@@ -144,6 +151,7 @@ class RecipePlan:
         tokens = sum(s.read * s.tokens_per_sample for s in self.sources)
         out.append(f"run: {run} ({tokens:,.0f} tokens)")
         out += self._skips_text()
+        out += [f"note: {note}" for note in self.notes]
         out.append("sources:")
         width = max(len(s.name) for s in self.sources)
         for s in self.sources:
@@ -197,16 +205,21 @@ class _Built:
     caches: dict[str, TokenCache]
     schedule_args: dict[str, Any]  # weights= or schedule=, as given to MixtureSchedule
     caps: dict[str, Any]  # source -> max epochs, as written in the recipe
+    allowed: dict[str, bool]  # the allow_mixed_* keys in effect (argument, else recipe)
 
 
 def plan_recipe(path: str | os.PathLike, *, steps: int | None = None,
                 global_batch: int | None = None, samples: int | None = None,
                 storage_options: dict[str, Any] | None = None,
-                local_dir: str | None = None) -> RecipePlan:
+                local_dir: str | None = None, allow_mixed_tokenizers: bool | None = None,
+                allow_mixed_templates: bool | None = None) -> RecipePlan:
     """Plan the recipe at ``path`` (arguments override the file's ``steps``, ``global_batch``,
     ``samples``). Opens each source's index, never its tokens; a ``packed`` source computes (or
     reuses) its pack plan. RecipeError (a ValueError) names the file and key of a bad entry.
     ``storage_options`` and ``local_dir`` open remote sources, as in :class:`TokenCache`.
+    Sources tokenized differently, or chat caches rendered with different templates, are refused
+    as :class:`torchcache.MixtureDataset` refuses them, unless the recipe's
+    ``allow_mixed_tokenizers`` / ``allow_mixed_templates`` (or these arguments) allow it.
 
     >>> import json, tokenizers
     >>> tokenizer = tokenizers.Tokenizer(tokenizers.models.WordLevel(  # a toy: one word, one id
@@ -224,7 +237,10 @@ def plan_recipe(path: str | os.PathLike, *, steps: int | None = None,
     >>> print(plan.text().splitlines()[-2])  # read 70 of web's 79 samples: 0.886 epochs
       web             70                 210     0.886
     """
-    return _build(os.fspath(path), steps, global_batch, samples, storage_options, local_dir).plan
+    allow = {"allow_mixed_tokenizers": allow_mixed_tokenizers,
+             "allow_mixed_templates": allow_mixed_templates}
+    return _build(os.fspath(path), steps, global_batch, samples, storage_options, local_dir,
+                  allow).plan
 
 
 def mixture_from_recipe(path: str | os.PathLike, mixture_class: Callable[..., Any],
@@ -233,9 +249,13 @@ def mixture_from_recipe(path: str | os.PathLike, mixture_class: Callable[..., An
     schedule=, seed=, block_size=, total_samples=, max_epochs_per_source=)`` over the very
     datasets and schedule that :func:`plan_recipe` (and ``torchcache mix plan``) planned.
 
+    The mixture's ``num_samples`` (its ``len()``, one loader epoch) is the plan's
+    ``total_samples``: a loader epoch is the planned run, no more.
+
     ``overrides``: ``steps``, ``global_batch``, ``samples``, ``storage_options`` and ``local_dir``
-    change the plan as in :func:`plan_recipe`; any other keyword (``num_samples``,
-    ``allow_mixed_tokenizers``, ...) goes to ``mixture_class``. The classes are passed in
+    change the plan as in :func:`plan_recipe`; ``allow_mixed_tokenizers`` and
+    ``allow_mixed_templates`` override the recipe's (for the plan's check and the mixture); any
+    other keyword (``num_samples``, ...) goes to ``mixture_class``. The classes are passed in
     (:meth:`torchcache.MixtureDataset.from_recipe` passes its own and the package's datasets) so
     that this module needs no torch: ``dataset_classes`` maps each kind to its class, read as
     ``tokens(cache, seq_len)``, ``packed(cache, seq_len)`` (default options, as planned) or
@@ -243,12 +263,18 @@ def mixture_from_recipe(path: str | os.PathLike, mixture_class: Callable[..., An
     """
     path = os.fspath(path)
     plan_options = {key: overrides.pop(key) for key in _PLAN_OPTIONS if key in overrides}
+    allow = {key: overrides.get(key) for key in _AGREEMENT}
     built = _build(path, plan_options.get("steps"), plan_options.get("global_batch"),
                    plan_options.get("samples"), plan_options.get("storage_options"),
-                   plan_options.get("local_dir"))
+                   plan_options.get("local_dir"), allow)
+    overrides.update({key: True for key, on in built.allowed.items() if on})  # the mixture's too
     plan = built.plan
     kwargs: dict[str, Any] = {"seed": plan.seed, "block_size": plan.block_size,
                               "total_samples": plan.total_samples, **built.schedule_args}
+    if "num_samples" not in overrides:  # one loader epoch is the planned run, no more
+        kwargs["num_samples"] = plan.total_samples
+    for note in plan.notes:
+        warnings.warn(f"{path}: {note}", stacklevel=3)
     if built.caps:
         kwargs["max_epochs_per_source"] = built.caps
     clash = sorted(set(overrides) & set(kwargs))
@@ -270,7 +296,8 @@ def _dataset(dataset_class: Callable[..., Any], source: SourcePlan, cache: Token
 
 
 def _build(path: str, steps: int | None, global_batch: int | None, samples: int | None,
-           storage_options: dict[str, Any] | None, local_dir: str | None) -> _Built:
+           storage_options: dict[str, Any] | None, local_dir: str | None,
+           allow: Mapping[str, bool | None]) -> _Built:
     """Read, check and plan the recipe at ``path``: the plan and what its mixture needs."""
     recipe = load_recipe(path)
     seed = _int(path, "seed", recipe.get("seed", 0))
@@ -280,6 +307,7 @@ def _build(path: str, steps: int | None, global_batch: int | None, samples: int 
     sources = [s for s, _ in opened]
     caches = {s.name: cache for s, cache in opened}
     _check_shapes(path, sources)
+    allowed = _check_agreement(path, recipe, caches, allow)
     budgets = _budgets(path, recipe, sources)
     if budgets is None:
         total, steps, global_batch = _run_length(path, recipe, steps, global_batch, samples)
@@ -297,11 +325,12 @@ def _build(path: str, steps: int | None, global_batch: int | None, samples: int 
     except (TypeError, ValueError) as e:
         why = " (with token budgets, the weights are the budgets in samples)" if budgets else ""
         raise RecipeError(f"{path}: {e}{why}") from None
-    plan = RecipePlan(path, seed, period, total, steps, global_batch, sources, skips=skips)
+    plan = RecipePlan(path, seed, period, total, steps, global_batch, sources, skips=skips,
+                      notes=_skip_notes(skips, total, global_batch))
     _fill(plan, schedule)
     if budgets is not None:
         _check_budget_epochs(path, recipe, sources, caps)
-    return _Built(plan, caches, schedule_args, caps)
+    return _Built(plan, caches, schedule_args, caps, allowed)
 
 
 def _int(path: str, key: str, value: Any, minimum: int = 0) -> int:
@@ -331,6 +360,31 @@ def _check_shapes(path: str, sources: list[SourcePlan]) -> None:
                           "MixtureDataset batches them only with the same kind and seq_len")
 
 
+def _check_agreement(path: str, recipe: Mapping[str, Any], caches: Mapping[str, TokenCache],
+                     allow: Mapping[str, bool | None]) -> dict[str, bool]:
+    """Refuse sources a mixture refuses (train/agreement.py's checks: tokenizers, chat
+    templates) unless allowed: by ``allow`` (a caller's argument), else the recipe's key.
+    Returns the allow_mixed_* settings in effect, for the mixture."""
+    values = {"allow_mixed_tokenizers": {n: tokenizer_identity(c) for n, c in caches.items()},
+              "allow_mixed_templates": {n: str(c.chat_template) for n, c in caches.items()
+                                        if c.chat_template is not None}}
+    allowed = {}
+    for key, refuse in _AGREEMENT.items():
+        given = allow.get(key)
+        if given is None:
+            given = recipe.get(key, False)
+        if not isinstance(given, bool):
+            raise RecipeError(f"{path}: {key} must be true or false, got {given!r}")
+        allowed[key] = given
+        if given:
+            continue
+        try:
+            refuse(values[key], f"add {key}: true to the recipe")
+        except ValueError as e:
+            raise RecipeError(f"{path}: {e}") from None
+    return allowed
+
+
 def _run_length(path: str, recipe: Mapping[str, Any], steps: Any, global_batch: Any,
                 samples: Any) -> tuple[int, int | None, int | None]:
     """``(total samples, steps, global batch)`` of a weights or schedule recipe."""
@@ -342,7 +396,9 @@ def _run_length(path: str, recipe: Mapping[str, Any], steps: Any, global_batch: 
             raise RecipeError(f"{path}: say how long the run is: steps and global_batch, or samples")
         steps, global_batch = _int(path, "steps", steps, 1), _int(path, "global_batch", global_batch, 1)
         return steps * global_batch, steps, global_batch
-    return _int(path, "samples", samples, 1), None, None
+    # a global batch given with samples still says how samples make steps (trace, skips)
+    batch = None if global_batch is None else _int(path, "global_batch", global_batch, 1)
+    return _int(path, "samples", samples, 1), None, batch
 
 
 def _budget_length(path: str, recipe: Mapping[str, Any], budgets: Mapping[str, Fraction],
@@ -465,6 +521,23 @@ def _fill(plan: RecipePlan, schedule: MixtureSchedule) -> None:
     epochs = schedule.source_epochs(total)
     for s in sources:
         s.read, s.epochs = counts[s.name], epochs[s.name]
+
+
+def _skip_notes(skips: list[tuple[int, int]], total: int, global_batch: int | None) -> list[str]:
+    """A note for each skip that reaches past the run's last step (known with a global batch):
+    such steps are never part of the run, so the skip does nothing there."""
+    if not global_batch:
+        return []
+    run_steps = -(-total // global_batch)
+    notes = []
+    for start, end in skips:
+        if start >= run_steps:
+            notes.append(f"skip [{start:,}, {end:,}) starts after the run's last step "
+                         f"({run_steps - 1:,}; the run has {run_steps:,} steps): it never applies")
+        elif end > run_steps:
+            notes.append(f"skip [{start:,}, {end:,}) runs past the run's last step "
+                         f"({run_steps - 1:,}): only steps [{start:,}, {run_steps:,}) are in the run")
+    return notes
 
 
 def _skips(path: str, value: Any) -> list[tuple[int, int]]:

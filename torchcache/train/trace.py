@@ -22,8 +22,8 @@ def trace_step(loader: Any, step: int, *, words: int = 8) -> list[dict[str, Any]
     ranks together, in the order of :meth:`~torchcache.DataLoader.step_samples`, each as
     ``{"rank", "sample", "documents": [{"source", "document", "start", "end", "input",
     "record", "fields", "text"}, ...]}``: document ``document``'s tokens ``[start, end)`` of
-    that source's cache, its input file and record (None for caches built before format v3
-    kept it), and the first `words` words of that range (token ids when the cache has no
+    that source's cache, its input file and record (None only for caches built before records
+    were kept, where it cannot be known), and the first `words` words of that range (token ids when the cache has no
     tokenizer).
 
     >>> import tokenizers  # a toy tokenizer: one word, one id
@@ -35,7 +35,7 @@ def trace_step(loader: Any, step: int, *, words: int = 8) -> list[dict[str, Any]
     >>> loader = tc.DataLoader(tc.TokenDataset("cache", 3), batch_size=2)  # 2 windows a step
     >>> [(s["sample"], [(d["document"], d["start"], d["end"], d["text"]) for d in s["documents"]])
     ...  for s in tc.trace_step(loader, 0)]
-    [(0, [(0, 0, 3, 'hello world hello')]), (1, [(0, 3, 4, '<|endoftext|>'), (1, 0, 2, 'world <|endoftext|>')])]
+    [(0, [(0, 0, 4, 'hello world hello <|endoftext|>')]), (1, [(0, 3, 4, '<|endoftext|>'), (1, 0, 2, 'world <|endoftext|>'), (2, 0, 1, 'hello')])]
     """
     dataset = loader.dataset
     if not callable(getattr(dataset, "sample_documents", None)):
@@ -44,7 +44,7 @@ def trace_step(loader: Any, step: int, *, words: int = 8) -> list[dict[str, Any]
     indices = loader.step_samples(step)
     world = loader.sampler.world_size
     out = []
-    for k, index in enumerate(indices.tolist()):
+    for k, index in enumerate(indices):
         pieces = [_described(dataset, piece, words) for piece in dataset.sample_documents(index)]
         out.append({"rank": k % world, "sample": index, "documents": pieces})
     return out
