@@ -15,7 +15,9 @@ values it reads are fingerprinted into the cache's spec: a changed function make
 never a silent reuse or resume of the old one, and a function that cannot be fingerprinted (it
 reads an open file, an object) is refused at once with the reason. A module of the user's own
 code that a step reads counts by its source (see torchcache/builder/functions.py); what a step
-reads while it runs (os.environ, a file's contents) cannot be seen.
+reads while it runs (os.environ, a file's contents) cannot be seen. Over webdataset tars each
+record is a sample: its members' bytes by extension plus "__key__" and "__url__" (decode the text
+in a `map`); documents keep the sample key (`document_info(d)["key"]`).
 """
 
 from __future__ import annotations
@@ -37,9 +39,10 @@ __all__ = ["Pipeline", "PipelineCache", "source"]
 
 def source(inputs: Any, *, text_key: str = "text",
            storage_options: dict[str, Any] | None = None) -> "Pipeline":
-    """The start of a lazy pipeline over `inputs` (JSON lines paths, globs or URLs, or an
-    iterator of dicts): each record is a dict; after the steps, its `text_key` field is
-    tokenized. Nothing is read until :meth:`Pipeline.cache`."""
+    """The start of a lazy pipeline over `inputs` (JSON lines or webdataset tar paths, globs or
+    URLs, or an iterator of dicts): each record is a dict (a tar's sample as webdataset makes it:
+    `{"__key__", "__url__", extension: bytes, ...}`); after the steps, its `text_key` field, a
+    string, is tokenized. Nothing is read until :meth:`Pipeline.cache`."""
     if not isinstance(text_key, str) or not text_key:
         raise TypeError(f"text_key must be a non-empty string, not {text_key!r}")
     return Pipeline(inputs, text_key, storage_options=storage_options)

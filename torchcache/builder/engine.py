@@ -96,12 +96,13 @@ def run_build(inputs: Any, output: str | os.PathLike, tokenizer: TokenizerLike |
     resolved = resolve_inputs(inputs, storage_options)
     sources = resolved if isinstance(resolved, list) else None
     whole = input_format != "text" or bool(keep_fields) or bool(pipeline)  # records read whole
-    if whole:
+    if whole:  # JSON lines objects; a pipeline also takes tar samples (bytes, for its steps)
         for s in sources or []:
-            if s.kind != "jsonl":
+            if s.kind != "jsonl" and not (s.kind == "wds" and pipeline):
                 raise ValueError(f"{s.path}: input_format={input_format!r}, keep_fields and pipelines "
-                                 "read JSON lines files (or an iterable of dicts), not "
-                                 f"{s.kind} inputs; convert it to JSON lines")
+                                 "read JSON lines files (or an iterable of dicts; pipelines also "
+                                 f"webdataset tars), not {s.kind} inputs; convert it to JSON lines"
+                                 + (" or read it with tc.source(...)" if s.kind == "wds" else ""))
     if tokenizer is None:
         tok = None
         if input_format != "tokens" and (sources is None or any(s.kind != "wds" for s in sources)):

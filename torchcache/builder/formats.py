@@ -87,7 +87,12 @@ class RecordShaper:
         if not isinstance(obj, dict):
             raise BadRecord("missing_text", f"the record is a {type(obj).__name__}, not an object")
         kept = {name: obj[name] for name in self.keep if name in obj}
-        data = json.dumps(kept, ensure_ascii=False, separators=(",", ":"), sort_keys=True)
+        try:
+            data = json.dumps(kept, ensure_ascii=False, separators=(",", ":"), sort_keys=True)
+        except (TypeError, ValueError) as e:  # bytes (a tar member), a set, a cycle
+            raise BadRecord("bad_content", f"the kept fields {sorted(kept)} are not plain JSON "
+                                           f"data ({e}); make them JSON values in a map step "
+                                           "(decode a tar member's bytes)") from e
         if len(data) > _MAX_FIELDS_CHARS:
             raise BadRecord("missing_text", f"the kept fields take {len(data):,} characters, more "
                                             f"than {_MAX_FIELDS_CHARS:,}; keep smaller fields")
@@ -97,11 +102,21 @@ class RecordShaper:
 def _text_field(obj: Any, key: str) -> str:
     if not isinstance(obj, dict) or key not in obj:
         found = sorted(obj)[:8] if isinstance(obj, dict) else type(obj).__name__
+        hint = ""
+        if isinstance(obj, dict) and "__key__" in obj:  # a tar's sample: members are bytes
+            hint = (f"; a tar sample holds its members as bytes by extension: decode the text in "
+                    f"a map step, e.g. .map(lambda r: {{{key!r}: r['txt'].decode('utf-8')}})")
         raise BadRecord("missing_text", f"no {key!r} field (found {found}); set text_key to the "
-                                        "field that holds the text")
-    if not isinstance(obj[key], str):
-        raise BadRecord("missing_text", f"field {key!r} is a {type(obj[key]).__name__}, not a string")
-    return obj[key]
+                                        f"field that holds the text{hint}")
+    value = obj[key]
+    if isinstance(value, (bytes, bytearray, memoryview)):
+        member = f" (the bytes of member {obj['__key__'] + '.' + key!r})" if "__key__" in obj else ""
+        raise BadRecord("missing_text", f"field {key!r} is bytes{member}, not a string: decode it "
+                                        f"in a map step, e.g. .map(lambda r: {{{key!r}: "
+                                        f"r[{key!r}].decode('utf-8')}})")
+    if not isinstance(value, str):
+        raise BadRecord("missing_text", f"field {key!r} is a {type(value).__name__}, not a string")
+    return value
 
 
 def _tokens_record(obj: Any) -> tuple[np.ndarray, np.ndarray]:

@@ -30,7 +30,7 @@ from ..errors import InputError
 from .records import (ITERABLE_PATH, SINCE_BUILD, SINCE_READ, BadRecord, CountingReader, InputSource,
                       Record, RecordNumbering, decode_utf8, json_object, json_text, skipped_record,
                       unreadable_record)
-from .wds import Sample, decode_tokens, iter_samples, parse_member_spec
+from .wds import Sample, decode_tokens, iter_samples, parse_member_spec, sample_record
 
 _JSONL = (".jsonl", ".ndjson")
 _TEXT = (".txt",)
@@ -275,10 +275,12 @@ def _zstd_error() -> type[BaseException]:
 
 # ---------------------------------------------------------------- reading file inputs
 
-def iter_records(source: InputSource, text_key: str, start: int, on_error: str,
+def iter_records(source: InputSource, text_key: str | None, start: int, on_error: str,
                  storage_options: dict[str, Any] | None = None, tokens: bool = False,
                  start_digest: str | None = None) -> Iterator[Record]:
     """Records of one file input after record `start`; malformed ones raise or are skipped.
+    `text_key` None reads each record whole (`Record.obj`: a JSON lines object, or a tar's
+    sample as webdataset makes it).
 
     `start_digest` is the digest of record `start` when it was consumed: the records skipped
     must hash to it, else InputChangedError (None: no check, for caches made before digests).
@@ -456,18 +458,24 @@ def _parquet_record(source: InputSource, number: int, value: Any, is_text: bool,
     return Record(number, text, None, position, digest=digest)
 
 
-def _read_tar(source: InputSource, text_key: str, on_error: str, options: dict[str, Any],
+def _read_tar(source: InputSource, text_key: str | None, on_error: str, options: dict[str, Any],
               tokens: bool, numbering: RecordNumbering) -> Iterator[Record]:
-    """Samples of one webdataset shard, as text or token records."""
-    ext, field = parse_member_spec(text_key)
+    """Samples of one webdataset shard, as text or token records, or (text_key None) whole, as
+    webdataset's reader makes them (see wds.sample_record)."""
+    ext, field = parse_member_spec(text_key) if text_key is not None else ("", None)
     last = ""
     with _open_input(source, options) as raw:
         counted = CountingReader(raw)
         try:
-            for sample in iter_samples(io.BufferedReader(counted, 1 << 20)):
+            for sample in iter_samples(io.BufferedReader(counted, 1 << 20), bare=text_key is not None):
                 _hash_sample(numbering, sample)
                 last = sample.last_name
-                if numbering.advance():
+                if not numbering.advance():
+                    continue
+                if text_key is None:
+                    yield _whole_sample(source, numbering.number, sample, counted.count, on_error,
+                                        numbering.digest())
+                else:
                     yield _sample_record(source, numbering.number, sample, ext, field, tokens,
                                          counted.count, on_error, numbering.digest())
             numbering.check_end()
@@ -481,6 +489,18 @@ def _hash_sample(numbering: RecordNumbering, sample: Sample) -> None:
     for name, data in sample.files:
         numbering.frame(b"n", name.encode("utf-8", "surrogateescape"))
         numbering.frame(b"d", data)
+
+
+def _whole_sample(source: InputSource, number: int, sample: Sample, position: int, on_error: str,
+                  digest: str) -> Record:
+    """A sample as a record of a pipeline: its members' bytes by extension, "__key__", "__url__"."""
+    try:
+        obj = sample_record(sample, source.path)
+    except ValueError as e:
+        bad = BadRecord("bad_content", str(e))
+        return skipped_record(f"{source.path}: sample {sample.key!r}", bad, on_error, number,
+                              position, key=sample.key, digest=digest)
+    return Record(number, None, None, position, key=sample.key, digest=digest, obj=obj)
 
 
 def _sample_record(source: InputSource, number: int, sample: Sample, ext: str, field: str | None,

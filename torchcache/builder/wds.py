@@ -4,6 +4,9 @@ A webdataset shard is a tar whose members are grouped into samples by key: the m
 the first dot of its file name (`shard/000123.txt.gz` has key `shard/000123`, extension
 `txt.gz`). Reading is strict: a shard that ends without the tar end-of-archive marker (cut at a
 member boundary, or inside a header) is an error, never a shorter shard.
+
+A pipeline reads each sample whole, as webdataset's own reader hands it over (`sample_record`):
+`{"__key__": key, "__url__": shard, extension: bytes, ...}`.
 """
 
 from __future__ import annotations
@@ -53,6 +56,26 @@ class Sample:
         return self.files[-1][0]
 
 
+def sample_record(sample: Sample, url: str) -> dict[str, str | bytes]:
+    """The sample (read with `iter_samples(..., bare=False)`, as webdataset reads) as webdataset's
+    reader makes it: "__key__", "__url__" and each member's bytes by its lower-case extension.
+
+    Raises ValueError naming the member when two members give the same extension (webdataset
+    refuses such a sample too).
+    """
+    record: dict[str, str | bytes] = {"__key__": sample.key, "__url__": url}
+    first: dict[str, str] = {}
+    for name, data in sample.files:
+        ext = split_member(name)[1].lower()
+        if ext in first:
+            raise ValueError(f"member {name!r} gives extension {ext!r} twice (after member "
+                             f"{first[ext]!r}); webdataset refuses such a sample: give each member "
+                             "of a sample its own extension")
+        first[ext] = name
+        record[ext] = data
+    return record
+
+
 class _StrictTarInfo(tarfile.TarInfo):
     """A member header reader that reports a missing, cut or invalid header as damage.
 
@@ -76,12 +99,13 @@ class _StrictTarInfo(tarfile.TarInfo):
             raise tarfile.ReadError(f"invalid member header at byte {tar.offset} ({e})") from e
 
 
-def iter_samples(fileobj: IO[bytes]) -> Iterator[Sample]:
+def iter_samples(fileobj: IO[bytes], bare: bool = True) -> Iterator[Sample]:
     """Samples of a tar stream (plain or gzip), in tar order.
 
-    Non-file members and files whose name starts with `__` or `.` are left out. A damaged shard
-    raises tarfile.TarError (or the error of the gzip stream); an I/O error of `fileobj`
-    propagates as it is.
+    Non-file members and files whose name starts with `__` or `.` are left out; so are files
+    without an extension when `bare` is False (as webdataset's reader leaves them out: they do
+    not split a sample then). A damaged shard raises tarfile.TarError (or the error of the gzip
+    stream); an I/O error of `fileobj` propagates as it is.
     """
     with tarfile.open(fileobj=fileobj, mode="r|*", tarinfo=_StrictTarInfo) as tar:
         key: str | None = None
@@ -89,7 +113,9 @@ def iter_samples(fileobj: IO[bytes]) -> Iterator[Sample]:
         for info in tar:
             if not info.isfile() or info.name.rpartition("/")[2].startswith(("__", ".")):
                 continue
-            k = split_member(info.name)[0]
+            k, ext = split_member(info.name)
+            if not ext and not bare:
+                continue
             if key is not None and k != key:
                 yield Sample(key, tuple(files))
                 files = []

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import pickle
 import traceback
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Callable, Iterable, Iterator, Union
 
 import numpy as np
@@ -188,13 +188,8 @@ def build_input(job: BuildJob, index: int, source: InputSource | Iterable[str],
             progress["documents"] = block.documents_before
         return BlockWritten(index, entry, progress)
 
-    if isinstance(source, InputSource):
-        path = source.path
-        where = lambda number: f"{path}:{number}"  # noqa: E731 - file:line, as for text records
-    else:
-        where = lambda number: f"inputs item {number}"  # noqa: E731
-    batches = _Batches(stream, skipped, _record_check(job, source, where), job.on_error,
-                       _shaper(job), where)
+    where = _where(source)
+    batches = _Batches(stream, skipped, _record_check(job, where), job.on_error, _shaper(job), where)
     for batch in batches:
         encoded = encode(batch)
         for (record, counts, shaped), doc in zip(batch, encoded):
@@ -340,12 +335,19 @@ def _document_encoder(job: BuildJob) -> Callable[[list[tuple[Record, Any, Any]]]
     return encode
 
 
-def _record_check(job: BuildJob, source: Any,
-                  where_is: Callable[[int], str]) -> Callable[[Record, Any], tuple[str, BadRecord] | None]:
-    """(where, why) if a record's pre-tokenized ids fall outside the vocabulary, else None: where
-    is its sample key in a tar, else `where_is(record number)` (file:line)."""
+def _where(source: InputSource | Iterable[str]) -> Callable[[Record], str]:
+    """Where a record is, for messages: its tar and sample key, file:line, or the item."""
+    if not isinstance(source, InputSource):
+        return lambda record: f"inputs item {record.number}"
+    path = source.path
+    return lambda record: (f"{path}:{record.number}" if record.key is None  # file:line
+                           else f"{path}: sample {record.key!r}")
+
+
+def _record_check(job: BuildJob,
+                  where: Callable[[Record], str]) -> Callable[[Record, Any], tuple[str, BadRecord] | None]:
+    """(where, why) if a record's pre-tokenized ids fall outside the vocabulary, else None."""
     limit = job.vocab_size if job.vocab_size is not None else np.iinfo(np.dtype(job.dtype)).max + 1
-    name = getattr(source, "path", "inputs item")
 
     def check(record: Record, shaped: Any) -> tuple[str, BadRecord] | None:
         ids = record.tokens if shaped is None else shaped.ids
@@ -355,8 +357,7 @@ def _record_check(job: BuildJob, source: Any,
         if low >= 0 and high < limit:
             return None
         bad = low if low < 0 else high
-        where = f"{name}: sample {record.key!r}" if record.key is not None else where_is(record.number)
-        return (where, BadRecord("bad_tokens", f"token id {bad} is outside the vocabulary "
+        return (where(record), BadRecord("bad_tokens", f"token id {bad} is outside the vocabulary "
                                                f"[0, {limit}); pass the right vocab_size"))
     return check
 
@@ -371,7 +372,7 @@ class _Batches:
     def __init__(self, stream: Iterator[Record], skipped: dict[str, int],
                  check: Callable[[Record, Any], tuple[str, BadRecord] | None], on_error: str = "raise",
                  shape: Callable[[Record], Any] | None = None,
-                 where: Callable[[int], str] = str):
+                 where: Callable[[Record], str] = lambda record: str(record.number)):
         self.stream, self.skipped = stream, skipped
         self.last_number, self.last_digest = 0, None  # of the last record read, kept or not
         self.check, self.on_error, self.shape, self.where = check, on_error, shape, where
@@ -398,7 +399,7 @@ class _Batches:
                     shaped, content = self._content(record)
                 except BadRecord as bad:  # (a record a filter leaves out is counted, never an error)
                     self._count(bad.reason if bad.reason == "filtered" else
-                                raise_or_count(self.where(record.number), bad, self.on_error))
+                                raise_or_count(self.where(record), bad, self.on_error))
                     continue
                 if not len(content):
                     self._count("empty")
@@ -407,6 +408,8 @@ class _Batches:
                 if problem is not None:
                     self._count(raise_or_count(*problem, self.on_error))
                     continue
+                if record.obj is not None:  # shaped: the raw record (a tar sample's audio) goes
+                    record = replace(record, obj=None)
                 batch.append((record, dict(self.skipped), shaped))
                 chars += len(content)
                 if chars >= _BATCH_CHARS or len(batch) >= _BATCH_DOCS:
