@@ -372,8 +372,6 @@ def test_hugging_face_conventions():
     ("{% include 'secrets.txt' %}", "uses include \\(line 1\\).*without file access"),
     ("{% from 'macros.j2' import x %}", "uses fromimport"),
     ("{% extends 'base.j2' %}", "uses extends"),
-    ("{% for x in messages[0].content.no_such_method() %}{% endfor %}",
-     "failed on a conversation of 1 messages: UndefinedError"),
     ("{% for m in messages %}", "is not valid Jinja \\(line 1:"),
 ])
 def test_sandbox_and_broken_templates_fail_naming_the_template(source, message):
@@ -381,6 +379,14 @@ def test_sandbox_and_broken_templates_fail_naming_the_template(source, message):
         ChatTemplate(source).render([{"role": "user", "content": "hi"}], "all")
     unquoted = str(raised.value).replace("'", "").replace('"', "")
     assert f"chat template {source[:12]}".replace("'", "") in unquoted
+
+
+def test_a_template_that_raises_on_a_conversation_is_a_template_error_bad_record():
+    source = "{% for x in messages[0].content.no_such_method() %}{% endfor %}"
+    with pytest.raises(BadRecord, match="chat template .* failed rendering this conversation: "
+                                        "UndefinedError") as raised:
+        ChatTemplate(source).render([{"role": "user", "content": "hi"}], "all")
+    assert raised.value.reason == "template_error" and "no_such_method" in raised.value.detail
 
 
 def test_raise_exception_is_a_role_order_bad_record():

@@ -510,3 +510,53 @@ def test_links_inside_the_folder_and_in_a_hugging_face_cache_are_followed(tmp_pa
     (snapshot / "chat_template.jinja").symlink_to(os.path.relpath(other / "x", snapshot))
     with pytest.raises(ValueError, match=f"outside the model folder {hub}"):
         model_file_path(str(snapshot), "chat_template.jinja")
+
+
+# a template that fails inside Jinja for one record only (the second of three): a field that
+# record lacks, arithmetic on its text, a division by its length
+FAILING_FOR_ONE = {
+    "missing_field": ("{{- messages[0].meta.lang -}}", {"meta": {"lang": "en"}}, {},
+                      "UndefinedError"),
+    "type_error": ("{{- messages[0].content + (1 if messages[0].content == 'bad' else '') -}}",
+                   {}, {}, "TypeError"),
+    "zero_division": ("{{- (1 // (messages[0].content | length - 3)) and '' -}}", {}, {},
+                      "ZeroDivisionError"),
+}
+
+
+@pytest.mark.parametrize("name", list(FAILING_FOR_ONE))
+def test_a_template_that_raises_for_one_record_is_a_record_problem(tmp_path, model_dir, name):
+    """An error raised while rendering one conversation stops the build naming file:line, the
+    template and the error (on_error="raise"), or is skipped and counted (on_error="skip")."""
+    folder, _ = model_dir
+    prefix, good_fields, bad_fields, error = FAILING_FOR_ONE[name]
+    template = prefix + variant(CHATML, tags=True)
+
+    def record(user: str, fields: dict) -> dict:
+        return {"messages": [{"role": "user", "content": user, **fields},
+                             {"role": "assistant", "content": "An answer."}]}
+    chats = write_records(tmp_path / "chats.jsonl", [record("Hello there", good_fields),
+                                                     record("bad", bad_fields),
+                                                     record("Hello again", good_fields)])
+    with pytest.raises(tc.InputError, match=f"{chats}:2: chat template .* failed rendering this "
+                                            f"conversation: {error}") as raised:
+        build(chats, tmp_path / "raise", folder / "tokenizer.json", template)
+    assert prefix[:20] in str(raised.value)
+    result = tc.build_cache(chats, tmp_path / "skip", str(folder / "tokenizer.json"),
+                            input_format="messages", chat_template=template, on_error="skip",
+                            progress=False)
+    assert result.skipped == {"template_error": 1} and result.num_documents == 2
+    assert "template_error" in SKIP_REASONS
+    assert [tc.TokenCache(tmp_path / "skip").document_info(i)["record"] for i in range(2)] == [0, 2]
+
+
+def test_a_template_that_does_not_compile_is_one_error_naming_it(tmp_path, model_dir):
+    folder, _ = model_dir
+    chats = write_records(tmp_path / "chats.jsonl", [
+        {"messages": [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Yo"}]}])
+    with pytest.raises(ValueError, match=r"chat template '\{% for m in messages %\}' is not valid "
+                                         r"Jinja \(line 1") as raised:
+        tc.build_cache(chats, tmp_path / "skip", str(folder / "tokenizer.json"),
+                       input_format="messages", chat_template="{% for m in messages %}",
+                       on_error="skip", progress=False)
+    assert not isinstance(raised.value, tc.InputError)

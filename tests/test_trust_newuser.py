@@ -332,3 +332,40 @@ def test_a_failed_first_build_on_an_object_store_leaves_nothing(tmp_path, s3, bo
                        block_tokens=500, num_workers=1, progress=False)
     cache = tc.TokenCache("s3://bucket/late", storage_options=s3, local_dir=str(tmp_path / "copies"))
     assert cache.num_blocks > 0 and not cache.complete
+
+
+def test_trace_refuses_a_world_size_or_word_count_out_of_range(tmp_path, inputs,
+                                                                gpt2_tokenizer_path):
+    """--world-size 0 used to become 1 silently, and --words -1 was taken: both refused, naming
+    the flag."""
+    cache = tmp_path / "cache"
+    assert cli("build", inputs["text"], "-o", cache, "-t", gpt2_tokenizer_path).returncode == 0
+    trace = ("trace", cache, "--step", "0", "--seq-len", "8", "--batch-size", "2")
+    line = one_line_error(cli(*trace, "--world-size", "0"), "trace")
+    assert line.endswith("--world-size must be >= 1, got 0")
+    line = one_line_error(cli(*trace, "--words", "-1"), "trace")
+    assert line.endswith("--words must be >= 0, got -1")
+    line = one_line_error(cli(*trace, "--batch-size", "0"), "trace")
+    assert line.endswith("--batch-size must be >= 1, got 0")
+    done = cli(*trace, "--world-size", "2", "--words", "0", "--json")
+    assert done.returncode == 0, done.stderr
+    traced = json.loads(done.stdout)
+    assert traced["world_size"] == 2 and len(traced["samples"]) == 4
+    assert all(piece["text"] == "" for s in traced["samples"] for piece in s["documents"])
+
+
+def test_convert_of_a_file_that_is_not_a_tar_names_what_convert_reads(tmp_path, inputs,
+                                                                       gpt2_tokenizer_path):
+    """convert-webdataset on JSON lines used to suggest --input-format tokens, a flag it lacks."""
+    for tokenizer in ((), ("-t", gpt2_tokenizer_path)):
+        line = one_line_error(cli("convert-webdataset", inputs["text"], "-o", tmp_path / "out",
+                                  *tokenizer), "convert-webdataset")
+        assert "--input-format" not in line, line
+        assert f"{inputs['text']} is a JSON lines file, not a webdataset tar" in line
+        assert "`torchcache build`" in line
+    line = one_line_error(cli("convert-webdataset", f"pipe:cat {inputs['text']}", "-o",
+                              tmp_path / "out"), "convert-webdataset")
+    assert "is a JSON lines file, not a webdataset tar" in line
+    assert not (tmp_path / "out").exists()
+    with pytest.raises(ValueError, match="not a webdataset tar.*build them with build_cache"):
+        tc.convert_webdataset(inputs["text"], tmp_path / "out", vocab_size=100)

@@ -485,9 +485,10 @@ def _token_range(text: str) -> tuple[int, int]:
 
 def _trace(args: argparse.Namespace) -> int:
     """`torchcache trace`: what each sample of a global step read (see train/trace.py)."""
+    words = int_arg(args.words, "--words", minimum=0)
     loader = _trace_loader(args)
     step = int_arg(args.step, "--step", minimum=0)
-    samples = torchcache.trace_step(loader, step, words=args.words)
+    samples = torchcache.trace_step(loader, step, words=words)
     skipped = any(a <= step < b for a, b in loader.skipped_steps)
     world = loader.sampler.world_size
     if args.json:
@@ -534,8 +535,11 @@ def _trace_loader(args: argparse.Namespace) -> Any:
             raise ValueError("--seq-len and --packed are for a cache; a recipe names its own")
         dataset = torchcache.MixtureDataset.from_recipe(args.target)
         global_batch = plan_recipe(args.target).global_batch
-    world = args.world_size or (state or {}).get("world_size") or 1
-    batch = args.batch_size or (state or {}).get("batch_size")
+    # (0 is refused, not taken for "not given")
+    world = optional_int_arg(args.world_size, "--world-size", minimum=1)
+    world = world or (state or {}).get("world_size") or 1
+    batch = optional_int_arg(args.batch_size, "--batch-size", minimum=1)
+    batch = batch or (state or {}).get("batch_size")
     if not batch and global_batch:  # the recipe's: samples per step, all ranks together
         if global_batch % world:
             raise RecipeError(f"{args.target}: global_batch {global_batch} does not split over "

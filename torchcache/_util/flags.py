@@ -32,6 +32,7 @@ _PHRASES = (
     ("plan_dir= (or `torchcache pack CACHE --plan-dir DIR`)", "--plan-dir DIR"),
     ("chat_template=None takes", "without --chat-template, the build takes"),
     ("see convert_webdataset", "see `torchcache convert-webdataset`"),
+    ("build them with build_cache", "build them with `torchcache build`"),
     (" or a tokenizers.Tokenizer", ""),  # a Python object: not something a flag can give
 )
 

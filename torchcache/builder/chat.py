@@ -325,7 +325,8 @@ class ChatTemplate:
         template rejects (raise_exception) is a BadRecord ("role_order"); one whose turns the
         template does not render as prefixes of the whole (and it has no generation tags) is a
         BadRecord ("unstable_template") naming the template; one whose rendering goes over the
-        limits of template_limits is a BadRecord ("template_limit").
+        limits of template_limits is a BadRecord ("template_limit"); any other error the template
+        raises rendering it is a BadRecord ("template_error") naming the template and the error.
         """
         _check_train_on(train_on)
         chat = _Conversation(messages, tools, self._moment())
@@ -410,8 +411,9 @@ class ChatTemplate:
     def _run(self, chat: "_Conversation", add_generation_prompt: bool,
              marks: tuple[str, str] | None = None, upto: int | None = None) -> str:
         """Render once (the first `upto` messages), within the record's limits; the template's
-        errors as BadRecord (it rejects the conversation, or goes over a limit) or a ValueError
-        naming the template (it is broken, or broke out of the sandbox)."""
+        errors as BadRecord naming the template (it rejects the conversation, goes over a limit,
+        or raises on it: a field this record lacks...) or a ValueError naming the template (it
+        broke out of the sandbox). A template that does not compile fails in __init__ instead."""
         where = "" if upto is None else f" (rendering its first {upto} messages)"
         messages = chat.messages if upto is None else chat.messages[:upto]
         try:
@@ -437,9 +439,10 @@ class ChatTemplate:
                              "arguments") from None
         except BadRecord:
             raise
-        except Exception as e:  # a broken template fails with anything: name it, say where
-            raise ValueError(f"chat template {self.name} failed on a conversation of "
-                             f"{len(messages)} messages{where}: {type(e).__name__}: {e}") from e
+        except Exception as e:  # the template fails on this conversation (a field it lacks...)
+            raise BadRecord("template_error", f"chat template {self.name} failed rendering this "
+                                              f"conversation{where}: {type(e).__name__}: {e}; fix "
+                                              "the template or the record") from e
 
 
 class _Conversation:

@@ -13,6 +13,9 @@ from typing import Any
 from braceexpand import braceexpand
 
 from .api import build_cache
+from .inputs import input_kind
+
+_KIND_NAMES = {"jsonl": "JSON lines", "txt": "text", "parquet": "Parquet"}
 
 
 def expand_urls(urls: Any) -> list[str]:
@@ -72,6 +75,12 @@ def convert_webdataset(urls: Any, output: str | os.PathLike, *, tokenizer: Any =
         >>> tmp.cleanup()
     """
     sources = expand_urls(urls)
+    for url in sources:
+        kind = input_kind(url)
+        if kind is not None and kind != "wds":
+            raise ValueError(f"{url} is a {_KIND_NAMES[kind]} file, not a webdataset tar (.tar, "
+                             ".tar.gz, .tgz), the only input webdataset conversion reads; for "
+                             "JSON lines, text and Parquet files, build them with build_cache")
     if tokenizer is not None:
         if vocab_size is not None:
             raise ValueError("vocab_size comes from the tokenizer; pass it only for pre-tokenized "

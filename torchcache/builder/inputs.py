@@ -196,6 +196,18 @@ class _PipeReader(io.RawIOBase):
         return n
 
 
+def input_kind(url: str) -> str | None:
+    """The kind of input a URL's name says it is ("jsonl", "txt", "parquet", "wds"), a `pipe:`
+    command's by the file it names; None where the name does not say (a directory, another
+    name). Lets convert_webdataset refuse what is not a tar before a build starts."""
+    if url.startswith(PIPE):
+        try:
+            return _pipe_source(url).kind
+        except ValueError:  # (the build names what is wrong with the command)
+            return None
+    return _kind_of(url)[0] if _is_supported(url) else None
+
+
 def _is_supported(path: str) -> bool:
     try:
         _kind_of(path)
