@@ -16,6 +16,7 @@ from .._util.args import bool_arg, choice_arg, int_arg, optional_int_arg
 from .engine import BuildResult, progress_enabled, run_build
 from .formats import INPUT_FORMATS, check_train_on
 from .handle import BuildHandle
+from ..format.arrays import parse_declarations
 from ..format.tokenizer import TokenizerLike
 
 
@@ -28,7 +29,8 @@ def build_cache(inputs: Any, output: str | os.PathLike, tokenizer: TokenizerLike
                 vocab_size: int | None = None, allow_empty: bool = False,
                 input_format: str = "text", chat_template: str | os.PathLike | None = None,
                 train_on: str = "assistant",
-                keep_fields: Sequence[str] = ()) -> "BuildResult | BuildHandle":
+                keep_fields: Sequence[str] = (),
+                arrays: Sequence[str] | dict[str, str | None] = ()) -> "BuildResult | BuildHandle":
     """Tokenize `inputs` into a cache at `output`.
 
     Re-running a finished build with the same arguments is a cheap no-op; an interrupted build
@@ -69,6 +71,9 @@ def build_cache(inputs: Any, output: str | os.PathLike, tokenizer: TokenizerLike
             tokenizer's own (tokenizer_config.json or chat_template.jinja beside tokenizer.json).
         train_on: "assistant" (every assistant turn), "last_assistant" or "all" (every token).
         keep_fields: fields of each record kept with its document (cache.document_info).
+        arrays: record fields kept as typed arrays (cache.document_arrays): names, or a dict
+            name -> "dtype[dims]" ("float16[*, 80]"; "*" any size) or None. Undeclared, a field's
+            dtype and rank are its first record's. Values: nested lists, numpy arrays, tensors.
 
     Example (usually `tokenizer` is a tokenizer.json path and `inputs` a glob like
     "data/*.jsonl"):
@@ -96,7 +101,7 @@ def build_cache(inputs: Any, output: str | os.PathLike, tokenizer: TokenizerLike
                                 storage_options=storage_options, vocab_size=vocab_size,
                                 allow_empty=allow_empty, input_format=input_format,
                                 chat_template=chat_template, train_on=train_on,
-                                keep_fields=keep_fields)
+                                keep_fields=keep_fields, arrays=arrays)
     progress = None if progress is None else bool_arg(progress, "progress")
     if bool_arg(background, "background"):
         return BuildHandle.start(inputs, output, tokenizer, kwargs)
@@ -105,7 +110,8 @@ def build_cache(inputs: Any, output: str | os.PathLike, tokenizer: TokenizerLike
 
 def checked_build_arguments(*, text_key, block_tokens, num_workers, on_error, executor, eos, bos,
                             special_tokens_as_text, storage_options, vocab_size, allow_empty,
-                            input_format, chat_template, train_on, keep_fields) -> dict[str, Any]:
+                            input_format, chat_template, train_on, keep_fields,
+                            arrays=()) -> dict[str, Any]:
     """The build's arguments, each checked (type and value) before anything is read or written,
     as plain Python values (a numpy integer or bool becomes an int or a bool: they go into JSON)."""
     if not isinstance(text_key, str) or not text_key:
@@ -136,4 +142,14 @@ def checked_build_arguments(*, text_key, block_tokens, num_workers, on_error, ex
                 vocab_size=optional_int_arg(vocab_size, "vocab_size", minimum=1, maximum=2 ** 32),
                 allow_empty=bool_arg(allow_empty, "allow_empty"), input_format=input_format,
                 chat_template=chat_template, train_on=check_train_on(train_on),
-                keep_fields=tuple(keep_fields))
+                keep_fields=tuple(keep_fields), arrays=_arrays_arg(arrays))
+
+
+def _arrays_arg(arrays: Any) -> dict[str, str | None] | None:
+    """`arrays=` checked, as a JSON-able dict name -> declaration (None: none declared)."""
+    if arrays is None or (not isinstance(arrays, (str, dict)) and not len(arrays)):
+        return None
+    declared = parse_declarations(arrays)  # refuses bad names and declarations, before any work
+    if isinstance(arrays, dict):
+        return {name: arrays[name] for name in declared}
+    return {name: None for name in declared}

@@ -17,6 +17,7 @@ from typing import Any, Callable, Iterable
 
 from .._util import hooks
 from ..errors import BuildError
+from ..format.arrays import arrays_name
 from ..format import blocks as fmt
 from ..format import ledger, provenance
 from ..format.storage import TMP_MARK, LocalStorage, Lock, Storage
@@ -217,6 +218,8 @@ def clean_leftovers(storage: Storage, manifest: dict[str, Any] | None) -> None:
     if manifest:
         for e in manifest["blocks"] + manifest.get("pending", []):
             known.update((e["path"], e["offsets"], e.get("keys"), e.get("docs")))
+            if e.get("docs"):  # (an arrays sidecar, if the cache has arrays, is named by its block)
+                known.add(arrays_name(e["path"]))
     fmt.remove_dead_temp_files(storage, "", fmt.TOP_FILES)
     fmt.remove_dead_temp_files(storage, fmt.BLOCK_DIR, _OWN_BLOCK_FILE)
     for name in storage.listdir(fmt.BLOCK_DIR):

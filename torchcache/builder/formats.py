@@ -12,6 +12,7 @@ format, the template text and train_on, so they are part of the cache's identity
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from dataclasses import dataclass
 from datetime import datetime
@@ -19,6 +20,8 @@ from typing import Any, Sequence
 
 import numpy as np
 
+from ..format.arrays import ArrayDeclaration, declarations_from_spec
+from .arrays import ArrayConverter
 from .chat import ChatTemplate, TRAIN_ON, render_record
 from .records import BadRecord
 
@@ -39,15 +42,19 @@ class Shaped:
     ids: np.ndarray | None = None
     trained: np.ndarray | None = None
     fields: bytes | None = None
+    arrays: dict[str, np.ndarray] | None = None
 
 
 def documents_spec(input_format: str, keep_fields: Sequence[str], template: ChatTemplate | None,
-                   train_on: str) -> dict[str, Any] | None:
-    """The spec's "documents" entry (None for a plain text cache, which stays format v2)."""
-    if input_format == "text" and not keep_fields:
+                   train_on: str, arrays: dict[str, ArrayDeclaration] | None = None
+                   ) -> dict[str, Any] | None:
+    """The spec's "documents" entry (None for a plain text cache, which stays format v2); with
+    `arrays`, their declarations (absent without, so that other caches keep their bytes)."""
+    if input_format == "text" and not keep_fields and not arrays:
         return None
     masked = input_format != "text"
-    return {
+    extra = {"arrays": {name: d.to_spec() for name, d in arrays.items()}} if arrays else {}
+    return extra | {
         "input_format": input_format,
         "loss_mask": masked,
         "chat_template": template.source if template is not None else None,
@@ -68,6 +75,8 @@ class RecordShaper:
         self.text_key = text_key
         self.train_on = documents.get("train_on") or "assistant"
         self.keep = tuple(documents.get("keep_fields", ()))
+        declared = declarations_from_spec(documents)
+        self.arrays = ArrayConverter(declared) if declared else None
         source = documents.get("chat_template")
         self.template = None if source is None else ChatTemplate(
             source, documents.get("chat_special_tokens") or {}, name=template_name, now=BUILD_MOMENT)
@@ -76,12 +85,16 @@ class RecordShaper:
         """The document `obj` makes (BadRecord when it cannot make one)."""
         fields = self._fields(obj) if self.keep else None
         if self.format == "text":
-            return Shaped(text=_text_field(obj, self.text_key), fields=fields)
-        if self.format == "tokens":
+            shaped = Shaped(text=_text_field(obj, self.text_key), fields=fields)
+        elif self.format == "tokens":
             ids, trained = _tokens_record(obj)
-            return Shaped(ids=ids, trained=trained, fields=fields)
-        text, spans = render_record(obj, self.format, self.template, self.train_on)
-        return Shaped(text=text, spans=spans, fields=fields)
+            shaped = Shaped(ids=ids, trained=trained, fields=fields)
+        else:
+            text, spans = render_record(obj, self.format, self.template, self.train_on)
+            shaped = Shaped(text=text, spans=spans, fields=fields)
+        if self.arrays is None:
+            return shaped
+        return dataclasses.replace(shaped, arrays=self.arrays(obj))
 
     def _fields(self, obj: Any) -> bytes:
         if not isinstance(obj, dict):

@@ -20,7 +20,7 @@ ITERABLE_PATH = "<iterable>"  # the input path recorded for a build from an iter
 SKIP_REASONS = ("malformed_json", "missing_text", "invalid_utf8", "unreadable", "bad_tokens",
                 "no_messages", "empty_conversation", "unknown_role", "bad_content", "role_order",
                 "unstable_template", "template_limit", "template_error", "filtered", "map_error",
-                "bad_labels")
+                "bad_labels", "bad_array")
 SINCE_BUILD = "since the interrupted build"
 SINCE_READ = "while it was being read"
 

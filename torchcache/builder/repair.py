@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from typing import Any, Iterator
 
 from ..format import blocks as fmt
+from ..format.arrays import arrays_name
 from ..format.documents import has_documents
 from .commit import acquire_lock
 from ..errors import BuildError, CacheFormatError
@@ -286,8 +287,9 @@ def _put_back(storage: Storage, scratch: str, rebuilt: dict, damaged: _Damaged,
     if not _same_files(rebuilt, original):
         raise BuildError(_mismatch(storage, rebuilt, damaged, input_path))
     written = []
-    for name, _ in _FILES:
-        rel = rebuilt.get(name)
+    # the arrays sidecar is named by the block (its checksum is in the documents sidecar, which
+    # _same_files compared, so the rebuilt one is the recorded one byte for byte)
+    for rel in [rebuilt.get(name) for name, _ in _FILES] + [_arrays_rel(scratch, rebuilt)]:
         if rel is None or rel not in damaged.files:
             continue
         with open(os.path.join(scratch, *rel.split("/")), "rb") as f:
@@ -320,7 +322,13 @@ def _mismatch(storage: Storage, rebuilt: dict, damaged: _Damaged, input_path: st
             "Rebuild the cache into a new directory")
 
 
+def _arrays_rel(scratch: str, entry: dict) -> str | None:
+    """The rebuilt block's arrays sidecar (None: the cache has no arrays)."""
+    rel = arrays_name(entry["path"])
+    return rel if os.path.exists(os.path.join(scratch, *rel.split("/"))) else None
+
+
 def _remove_scratch_block(scratch: str, entry: dict) -> None:
-    for name, _ in _FILES:
-        if entry.get(name):
-            os.unlink(os.path.join(scratch, *entry[name].split("/")))
+    for rel in [entry.get(name) for name, _ in _FILES] + [_arrays_rel(scratch, entry)]:
+        if rel:
+            os.unlink(os.path.join(scratch, *rel.split("/")))

@@ -14,7 +14,8 @@ from typing import Any, Callable
 import numpy as np
 
 from ..format import blocks as fmt
-from ..format.documents import docs_max_size, has_documents, read_docs_file
+from ..format.arrays import arrays_name, read_arrays_file
+from ..format.documents import docs_max_size, has_arrays, has_documents, read_docs_file
 from ..read.cache_files import (CacheFiles, check_block_file, load_keys, load_offsets, load_record_runs,
                                 locate_cache, offsets_max_size)
 from ..format.provenance import last_record, past_the_input
@@ -143,9 +144,10 @@ class _BlockFile:
 
 
 def _block_files(spec: dict[str, Any], table: BlockTable, b: int, dtype: np.dtype,
-                 records: int | None = None) -> list[_BlockFile]:
+                 records: int | None = None, found: dict[str, str] | None = None) -> list[_BlockFile]:
     """Block b's files: tokens, offsets, and its keys file (v1/v2) or documents sidecar (v3);
-    `records`: its input's record count, which no stored record number may reach."""
+    `records`: its input's record count, which no stored record number may reach; `found` gets
+    the arrays sidecar's checksum the documents sidecar holds (a cache with arrays)."""
     record = table.records[b]
     tokens, documents, size = int(record["num_tokens"]), int(record["num_documents"]), int(record["size"])
     input_path = spec["inputs"][table.input(b)]["path"]
@@ -167,7 +169,9 @@ def _block_files(spec: dict[str, Any], table: BlockTable, b: int, dtype: np.dtyp
 
         def check_docs(fd: int, path: str) -> None:
             docs = read_docs_file(fd, path, documents, tokens, mask=bool(kept["loss_mask"]),
-                                  fields=bool(kept["keep_fields"]))
+                                  fields=bool(kept["keep_fields"]), arrays=has_arrays(spec))
+            if docs.arrays_sha256 is not None and found is not None:
+                found["arrays"] = docs.arrays_sha256
             if len(docs.records):
                 past_the_input(path, int(docs.records[-1]), records, input_path)
             for d in range(documents if docs.fields is not None else 0):
@@ -180,7 +184,8 @@ def _block_files(spec: dict[str, Any], table: BlockTable, b: int, dtype: np.dtyp
 def _check_block(source: CacheFiles, spec: dict[str, Any], table: BlockTable, b: int,
                  dtype: np.dtype, records: int | None = None) -> list[Problem]:
     """Problems of block b's files: checksums first, then (if intact) their contents."""
-    files = _block_files(spec, table, b, dtype, records)
+    found: dict[str, str] = {}
+    files = _block_files(spec, table, b, dtype, records, found)
     problems, opened = [], []
     try:
         for f in files:
@@ -195,10 +200,31 @@ def _check_block(source: CacheFiles, spec: dict[str, Any], table: BlockTable, b:
                 f.check(fd, path)
             except CacheFormatError as e:
                 problems.append(Problem(str(e), b, f.rel))
+        if "arrays" in found and not problems:
+            problems += _check_arrays(source, spec, table, b, found["arrays"])
         return problems
     finally:
         for _, fd in opened:
             os.close(fd)
+
+
+def _check_arrays(source: CacheFiles, spec: dict[str, Any], table: BlockTable, b: int,
+                  checksum: str) -> list[Problem]:
+    """Block b's arrays sidecar against the checksum its documents sidecar holds, then its
+    structure."""
+    rel = arrays_name(table.path(b))
+    try:
+        path, fd = source.open(rel, checksum, verify=True)
+    except CacheFormatError as e:
+        return [Problem(str(e), b, rel)]
+    try:
+        read_arrays_file(fd, path, int(table.records["num_documents"][b]),
+                         sorted(spec["documents"]["arrays"]))
+    except CacheFormatError as e:
+        return [Problem(str(e), b, rel)]
+    finally:
+        os.close(fd)
+    return []
 
 
 def verify_cache(path: str | os.PathLike, storage_options: dict[str, Any] | None = None,

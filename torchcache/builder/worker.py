@@ -23,6 +23,7 @@ from .tokenizing import DocumentEncoder
 from .chat import mask_runs
 from .formats import RecordShaper
 from .functions import unpack_function
+from ..format.arrays import arrays_name, write_arrays_file
 from ..format.documents import write_docs_file
 from ..format.provenance import RUNS_TENSOR, needs_runs, runs_of
 
@@ -232,6 +233,8 @@ class _BlockBuilder:
         self.keys: list[str | None] = []
         self.records: list[int] = []
         self.fields: list[bytes] = []
+        self.arrays: dict[str, list[np.ndarray]] = {name: [] for name in
+                                                    ((self.job.documents or {}).get("arrays") or {})}
         self.tokens = 0
 
     def add(self, doc: _Encoded, record: Record, shaped: Any) -> None:
@@ -241,6 +244,8 @@ class _BlockBuilder:
         self.records.append(record.number - 1)  # 0-based (numbers are 1-based lines)
         if self.job.documents is not None:
             self.fields.append(shaped.fields if shaped.fields is not None else b"{}")
+            for name, values in self.arrays.items():
+                values.append(shaped.arrays[name])
             if self.masked:
                 self.trained.append(doc.trained)
 
@@ -254,8 +259,12 @@ class _BlockBuilder:
         if self.job.documents is not None:
             runs = mask_runs(np.concatenate(self.trained)) if self.masked else None
             fields = self.fields if self.job.documents["keep_fields"] else None
+            arrays_checksum = None
+            if self.arrays:  # before the documents sidecar, which holds its checksum
+                arrays_checksum = write_arrays_file(self.job.output, arrays_name(entry["path"]),
+                                                    self.arrays).checksum
             written = write_docs_file(self.job.output, fmt.docs_name(entry["path"]), self.records,
-                                      runs, fields, entry["num_tokens"])
+                                      runs, fields, entry["num_tokens"], arrays_checksum)
             entry.update(docs=written.path, docs_checksum=written.checksum)
         self._reset()
         return entry

@@ -36,8 +36,8 @@ READABLE_VERSIONS = (1, 2, 3)  # v3: v2 plus a documents sidecar per block (docu
 BLOCK_FILE_VERSION = "1"  # block, offsets and keys files are the same in v1 and v2
 TOKENIZER_NAME = "tokenizer.json"
 TOP_FILES = re.compile(r"(manifest|tokenizer|head)\.json")  # written whole at a cache's top
-BLOCK_FILES = re.compile(r"\d{6}-\d{6}(\.offsets\.safetensors|\.docs\.safetensors|\.keys\.json"
-                         r"|\.safetensors)")
+BLOCK_FILES = re.compile(r"\d{6}-\d{6}(\.offsets\.safetensors|\.docs\.safetensors"
+                         r"|\.arrays\.safetensors|\.keys\.json|\.safetensors)")
 
 # safetensors dtype names of the arrays a cache holds: tokens (U16, U32), offsets (I64)
 DTYPES = {"U16": np.dtype("<u2"), "U32": np.dtype("<u4"), "I64": np.dtype("<i8"),
@@ -638,6 +638,16 @@ def _check_documents_spec(f: _Fields, documents: Any) -> None:
             f.str(get(key), f"spec.documents.{key}")
     for k, name in enumerate(f.list(get("keep_fields"), "spec.documents.keep_fields")):
         f.str(name, f"spec.documents.keep_fields[{k}]")
+    if "arrays" in documents:  # name -> {"dtype": str | None, "shape": [int | None, ...] | None}
+        for name, declared in f.dict(documents["arrays"], "spec.documents.arrays").items():
+            where = f"spec.documents.arrays.{name}"
+            declared = f.dict(declared, where)
+            if declared.get("dtype") is not None:
+                f.str(declared["dtype"], f"{where}.dtype")
+            if declared.get("shape") is not None:
+                for k, dim in enumerate(f.list(declared["shape"], f"{where}.shape")):
+                    if dim is not None:
+                        f.int(dim, f"{where}.shape[{k}]", 0, 1 << 62)
 
 
 def _check_progress(f: _Fields, inputs: Any, n_inputs: int) -> None:

@@ -10,6 +10,8 @@ are trained, and the fields the build kept (see docs/format.md, "Format v3").
   fields         U8, the documents' kept fields, each a compact JSON object, back to back
   field_offsets  I64, one per document + 1: where each document's fields start in `fields`.
                  Both only in a cache built with keep_fields.
+  arrays_sha256  U8[32], the sha256 of the block's arrays sidecar (format/arrays.py); only in a
+                 cache built with arrays=.
 Its sha256 takes the index record's third checksum slot (the keys file's in v1/v2).
 """
 
@@ -28,7 +30,7 @@ from .storage import Storage
 
 DOCS_VERSION = 3  # the layout version of a cache whose blocks have documents sidecars
 _REQUIRED = ("records",)
-_OPTIONAL = ("mask", "fields", "field_offsets")
+_OPTIONAL = ("mask", "fields", "field_offsets", "arrays_sha256")
 MAX_FIELDS_BYTES = 1 << 30
 
 
@@ -47,6 +49,11 @@ def has_loss_mask(spec: dict[str, Any]) -> bool:
     return has_documents(spec) and bool(spec["documents"].get("loss_mask"))
 
 
+def has_arrays(spec: dict[str, Any]) -> bool:
+    """True for a cache whose documents carry typed arrays (an arrays sidecar per block)."""
+    return has_documents(spec) and bool(spec["documents"].get("arrays"))
+
+
 @dataclass(frozen=True)
 class BlockDocuments:
     """One block's documents sidecar, checked."""
@@ -56,6 +63,7 @@ class BlockDocuments:
     fields: bytes | None
     field_offsets: np.ndarray | None
     path: str = ""             # the sidecar's path, for errors
+    arrays_sha256: str | None = None  # "sha256:<hex>" of the block's arrays sidecar (None: no arrays)
 
     def fields_of(self, d: int) -> dict[str, Any]:
         """The kept fields of the block's document d ({} when none were kept); damaged bytes
@@ -77,8 +85,10 @@ class BlockDocuments:
 
 
 def write_docs_file(storage: Storage, rel_path: str, records: Sequence[int], runs: np.ndarray | None,
-                    fields: Sequence[bytes] | None, num_tokens: int) -> fmt.WrittenFile:
-    """Write a block's documents sidecar (whole or not at all)."""
+                    fields: Sequence[bytes] | None, num_tokens: int,
+                    arrays_sha256: str | None = None) -> fmt.WrittenFile:
+    """Write a block's documents sidecar (whole or not at all); `arrays_sha256`: the checksum ("sha256:<hex>")
+    of the block's arrays sidecar, in a cache with arrays."""
     tensors: dict[str, np.ndarray] = {"records": np.asarray(records, dtype=np.int64)}
     if runs is not None:
         dtype = np.int32 if num_tokens < 1 << 31 else np.int64
@@ -88,6 +98,9 @@ def write_docs_file(storage: Storage, rel_path: str, records: Sequence[int], run
         np.cumsum([len(f) for f in fields], out=offsets[1:])
         tensors["fields"] = np.frombuffer(b"".join(fields), dtype=np.uint8)
         tensors["field_offsets"] = offsets
+    if arrays_sha256 is not None:
+        tensors["arrays_sha256"] = np.frombuffer(bytes.fromhex(arrays_sha256.removeprefix("sha256:")),
+                                                 dtype=np.uint8)
     meta = {"format": fmt.FORMAT_NAME, "version": str(DOCS_VERSION)}
     return fmt.write_tensors_file(storage, rel_path, tensors, meta)
 
@@ -95,11 +108,11 @@ def write_docs_file(storage: Storage, rel_path: str, records: Sequence[int], run
 def docs_max_size(num_documents: int, num_tokens: int) -> int:
     """The largest a sound documents sidecar of such a block can be (a cap checked before reading)."""
     return fmt.MAX_HEADER_BYTES + 8 + 8 * num_documents + 8 * (num_documents + 1) + 8 * num_tokens \
-        + MAX_FIELDS_BYTES
+        + MAX_FIELDS_BYTES + 32
 
 
 def read_docs_file(fd: int, path: str, num_documents: int, num_tokens: int,
-                   *, mask: bool, fields: bool) -> BlockDocuments:
+                   *, mask: bool, fields: bool, arrays: bool = False) -> BlockDocuments:
     """A block's documents sidecar, checked against the block (its documents and tokens) and the
     spec (whether it has a mask and fields); errors name the file."""
     size = os.fstat(fd).st_size
@@ -109,7 +122,8 @@ def read_docs_file(fd: int, path: str, num_documents: int, num_tokens: int,
         return CacheFormatError(f"{path}: {what}; the documents sidecar is corrupted (run "
                                 "`torchcache verify --repair`)")
 
-    for name, wanted in (("mask", mask), ("fields", fields), ("field_offsets", fields)):
+    for name, wanted in (("mask", mask), ("fields", fields), ("field_offsets", fields),
+                         ("arrays_sha256", arrays)):
         if (name in headers) != wanted:
             raise bad(f"tensor {name!r} is {'missing' if wanted else 'unexpected'}")
     records = _array(fd, path, headers["records"], ("I64",), num_documents, bad, "records")
@@ -135,7 +149,11 @@ def read_docs_file(fd: int, path: str, num_documents: int, num_tokens: int,
         text = bytes(fmt.read_exact(fd, h.data_start, h.length, path))
         if offsets[0] != 0 or offsets[-1] != len(text) or np.any(np.diff(offsets) < 0):
             raise bad("field_offsets do not cover fields")
-    return BlockDocuments(records, runs, text, offsets, path)
+    digest = None
+    if arrays:
+        digest = "sha256:" + bytes(_array(fd, path, headers["arrays_sha256"], ("U8",), 32, bad,
+                                          "arrays_sha256")).hex()
+    return BlockDocuments(records, runs, text, offsets, path, digest)
 
 
 def _array(fd: int, path: str, header: fmt.TensorHeader, dtypes: tuple[str, ...], length: int | None,

@@ -46,7 +46,9 @@ from .._util.lru import LRUCache
 from .cache_files import (check_block_file, load_keys, load_offsets, load_record_runs, locate_cache,
                           named_map_copy, offsets_max_size)
 from ..errors import CacheFormatError
-from ..format.documents import BlockDocuments, docs_max_size, has_loss_mask, read_docs_file
+from ..format.arrays import BlockArrays, arrays_name, read_arrays_file
+from ..format.documents import (BlockDocuments, docs_max_size, has_arrays, has_loss_mask,
+                                read_docs_file)
 from ..format.ledger import BlockTable, CacheState, open_state, refresh_state
 from ..format.provenance import derived_records_hold, input_records, past_the_input, record_at
 from .trained_runs import TrainedRuns
@@ -347,6 +349,7 @@ class TokenCache:
         self._checked_blocks: LRUCache[tuple[str, int]] = LRUCache(_MAX_CHECKED_BLOCKS)
         self._keys_cache: LRUCache[list[str | None]] = LRUCache(_MAX_CACHED_KEYS)
         self._docs_cache: LRUCache[BlockDocuments] = LRUCache(_MAX_CACHED_DOCS)
+        self._arrays_cache: LRUCache[BlockArrays] = LRUCache(_MAX_CACHED_DOCS)
         self._runs_cache: LRUCache[tuple] = LRUCache(_MAX_CACHED_DOCS)  # (record runs or None,)
         self._trained = TrainedRuns()  # the mask runs of the blocks read so far
         self._verified: set[str] = set()
@@ -520,6 +523,8 @@ class TokenCache:
                 _POOL.discard(block)
             self._open.clear()
             self._doomed.clear()
+        # mapped arrays sidecars: unmapped once the arrays handed out are gone too
+        self._arrays_cache = LRUCache(_MAX_CACHED_DOCS)
         if self._bounded is not None:
             self._bounded.close()
 
@@ -1013,10 +1018,42 @@ class TokenCache:
             try:
                 documents = self.spec["documents"]
                 return read_docs_file(fd, path, n_docs, n_tokens, mask=documents["loss_mask"],
-                                      fields=bool(documents["keep_fields"]))
+                                      fields=bool(documents["keep_fields"]),
+                                      arrays=has_arrays(self.spec))
             finally:
                 os.close(fd)
         return self._docs_cache.get_or_make(b, load)
+
+    @property
+    def array_fields(self) -> tuple[str, ...]:
+        """The names of the arrays each document carries (() in a cache without arrays)."""
+        return tuple(sorted((self.spec.get("documents") or {}).get("arrays") or ()))
+
+    @_locked
+    def document_arrays(self, i: int) -> dict[str, np.ndarray]:
+        """Document i's arrays, field name -> numpy array in the record's shape ({} in a cache
+        without arrays): read-only views of the block's memory-mapped arrays sidecar.
+
+        >>> cache.document_arrays(0)["input_features"].shape  # doctest: +SKIP
+        (412, 80)
+        """
+        i = self._check_document(i)
+        if not self.array_fields:
+            return {}
+        b = self._document_block(i)
+        return self._block_arrays(b).document(i - int(self._doc_starts[b]))
+
+    def _block_arrays(self, b: int) -> BlockArrays:
+        """Block b's arrays sidecar, checked against the checksum its documents sidecar holds
+        (with verify_checksums) and its structure (always), kept mapped for a while."""
+        def load() -> BlockArrays:
+            checksum = self._block_docs(b).arrays_sha256
+            path, fd = self._open_file(arrays_name(self._table.path(b)), checksum)
+            try:
+                return read_arrays_file(fd, path, self._block_documents(b), self.array_fields)
+            finally:
+                os.close(fd)
+        return self._arrays_cache.get_or_make(b, load)
 
     def loss_mask(self, start: int, stop: int) -> np.ndarray:
         """Which tokens of the global range [start, stop) are trained, as a bool array (all True

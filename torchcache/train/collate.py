@@ -95,7 +95,9 @@ def pad_collate(batch: Sequence[torch.Tensor], *, pad_id: int = 0, max_length: i
 
     Args:
         batch: 1-D tensors of token ids, or dicts with ``input_ids`` and ``loss_mask``
-            (:class:`torchcache.DocumentDataset` items).
+            (:class:`torchcache.DocumentDataset` items); any other key of a dict item is an
+            array field (a cache with arrays), padded with zeros to the batch's largest shape in
+            every dimension, with ``<field>_shape`` (LongTensor [B, rank]) its true shapes.
         pad_id: the id written in padding positions (the mask and labels make its value
             irrelevant to the loss; ``cache.eos_id`` is a common choice).
         max_length: cut longer documents to their first ``max_length`` tokens.
@@ -147,6 +149,38 @@ def pad_collate(batch: Sequence[torch.Tensor], *, pad_id: int = 0, max_length: i
             allowed[i, :len(trained)] = trained
         targets.masked_fill_(~allowed, IGNORE_INDEX)
         out["loss_mask"] = targets != IGNORE_INDEX
+    out.update(_pad_arrays(batch))
+    return out
+
+
+_TOKEN_KEYS = ("input_ids", "labels", "loss_mask")
+
+
+def _pad_arrays(batch: Sequence[Any]) -> dict[str, torch.Tensor]:
+    """The items' array fields (DocumentDataset items of a cache with arrays: every key beside
+    the token ones), each zero-padded to the batch's largest shape in every dimension, with
+    ``<field>_shape`` (LongTensor [B, rank]: each item's true shape)."""
+    if not isinstance(batch[0], Mapping):
+        return {}
+    names = [k for k in batch[0] if k not in _TOKEN_KEYS]
+    out = {}
+    for name in names:
+        arrays = []
+        for i, item in enumerate(batch):
+            if not isinstance(item, Mapping) or name not in item:
+                raise TypeError(f"batch[{i}] has no array field {name!r}, which batch[0] has: "
+                                "give items of one DocumentDataset")
+            arrays.append(torch.as_tensor(item[name]))
+        ranks = {a.dim() for a in arrays}
+        dtypes = {a.dtype for a in arrays}
+        if len(ranks) != 1 or len(dtypes) != 1:
+            raise TypeError(f"array field {name!r}: the items differ in rank or dtype "
+                            f"({sorted(map(str, dtypes))}, ranks {sorted(ranks)})")
+        shapes = torch.tensor([list(a.shape) for a in arrays], dtype=torch.int64).reshape(len(arrays), -1)
+        padded = torch.zeros((len(arrays), *shapes.max(dim=0).values.tolist()), dtype=arrays[0].dtype)
+        for i, a in enumerate(arrays):
+            padded[(i, *(slice(0, n) for n in a.shape))] = a
+        out[name], out[f"{name}_shape"] = padded, shapes
     return out
 
 
@@ -156,7 +190,9 @@ def packed_collate(batch: Sequence[torch.Tensor], *, max_length: int | None = No
 
     Args:
         batch: 1-D tensors of token ids, or dicts with ``input_ids`` and ``loss_mask``
-            (:class:`torchcache.DocumentDataset` items).
+            (:class:`torchcache.DocumentDataset` items); any other key of a dict item is an
+            array field (a cache with arrays), padded with zeros to the batch's largest shape in
+            every dimension, with ``<field>_shape`` (LongTensor [B, rank]) its true shapes.
         max_length: cut longer documents to their first ``max_length`` tokens.
         labels: ``"same"`` (for models that shift inside) or ``"shifted"`` (the next token).
 

@@ -528,6 +528,10 @@ class DocumentDataset(GrowingDataset):
     where that token is trained, else -100; the last one always -100) and ``loss_mask``
     (BoolTensor[n], ``labels != -100``), as :class:`TokenDataset` labels its windows.
 
+    In a cache with arrays (``cache.array_fields``) an item is a dict too: ``input_ids`` (and
+    ``labels``, ``loss_mask`` with a loss mask) plus each array field as a tensor of the
+    record's shape and dtype (:func:`torchcache.pad_collate` pads them).
+
     >>> docs = tc.DocumentDataset("runs/quickstart/cache")  # doctest: +SKIP
     >>> cache.decode(docs[0][:8])  # doctest: +SKIP
     'The Project Gutenberg eBook of Pride and'
@@ -537,6 +541,7 @@ class DocumentDataset(GrowingDataset):
     def __init__(self, cache: TokenCache | str | os.PathLike):
         self.cache = open_cache(cache)
         self._loss_mask = self.cache.has_loss_mask
+        self._arrays = self.cache.array_fields
 
     @property
     def fingerprint(self) -> str:
@@ -546,8 +551,11 @@ class DocumentDataset(GrowingDataset):
     @property
     def item_signature(self) -> str:
         """The shape of an item (see :attr:`TokenDataset.item_signature`)."""
+        arrays = "".join(f", {name}" for name in self._arrays)
         if self._loss_mask:
-            return "whole documents (dicts of input_ids, labels, loss_mask; variable length)"
+            return f"whole documents (dicts of input_ids, labels, loss_mask{arrays}; variable length)"
+        if arrays:
+            return f"whole documents (dicts of input_ids{arrays}; variable length)"
         return "whole documents (one variable-length LongTensor each)"
 
     def __len__(self) -> int:
@@ -566,7 +574,7 @@ class DocumentDataset(GrowingDataset):
         return [{"source": None, "document": i, "start": 0, "end": stop - start}]
 
     def __getitem__(self, index: int) -> Any:
-        if self._loss_mask:
+        if self._loss_mask or self._arrays:
             return self.__getitems__([self._check_index(index)])[0]
         return torch.from_numpy(self.cache.document(self._check_index(index)))
 
@@ -577,8 +585,20 @@ class DocumentDataset(GrowingDataset):
         lengths = spans[:, 1] - spans[:, 0]
         tokens = torch.from_numpy(self.cache.read_ranges(spans[:, 0], lengths).astype(np.int64))
         documents = list(torch.split(tokens, lengths.tolist()))
+        if self._arrays:
+            items = self._labelled_all(documents, spans, lengths) if self._loss_mask else \
+                [{"input_ids": doc} for doc in documents]
+            for item, i in zip(items, self._check(indices).tolist()):
+                item.update((name, torch.from_numpy(np.array(array)))  # (a copy: the map is read-only)
+                            for name, array in self.cache.document_arrays(i).items())
+            return items
         if not self._loss_mask:
             return documents
+        return self._labelled_all(documents, spans, lengths)
+
+    def _labelled_all(self, documents: list[torch.Tensor], spans: np.ndarray,
+                      lengths: np.ndarray) -> list[dict[str, torch.Tensor]]:
+        """The documents with their labels and loss masks, the masks read in one go."""
         # label j of a document is its token j + 1 where that is trained (the last has none):
         # the masks of all the documents' next tokens, in one read
         offsets = np.cumsum(lengths) - lengths
