@@ -246,3 +246,22 @@ def test_a_killed_build_resumes_to_the_same_arrays_and_a_rerun_keeps_them(tmp_pa
     assert tc.build_cache(src, tmp_path / "whole", gpt2_tokenizer_path, **options).already_complete
     cache = tc.TokenCache(whole.path)
     assert tc.verify_cache(whole.path) == [] and cache.document_arrays(5)["b"].tolist() == [[5, 6]] * 2
+
+
+def test_a_field_whose_inputs_give_other_dtypes_is_refused_unless_declared(tmp_path, gpt2_tokenizer_path):
+    """An undeclared field takes each input's first record's dtype and rank; a cache holds one per
+    field, so inputs that disagree (whole numbers in one file, fractions in the other) stop the
+    build naming both, and declaring the field builds them alike."""
+    first, second = tmp_path / "a.jsonl", tmp_path / "b.jsonl"
+    first.write_text("".join(json.dumps({"text": f"one {i}", "w": [1, 2, i]}) + "\n" for i in range(3)))
+    second.write_text("".join(json.dumps({"text": f"two {i}", "w": [0.5, i]}) + "\n" for i in range(3)))
+    with pytest.raises(tc.BuildError, match=r"array field 'w' is float64 of rank 1 .*b\.jsonl.*int64.*"
+                                            r"arrays=\{'w': 'int64\[\*\]'\}"):
+        tc.build_cache([first, second], tmp_path / "mixed", gpt2_tokenizer_path, arrays=("w",),
+                       num_workers=1, progress=False)
+    tc.build_cache([first, second], tmp_path / "declared", gpt2_tokenizer_path,
+                   arrays={"w": "float32[*]"}, num_workers=2, progress=False)
+    cache = tc.TokenCache(tmp_path / "declared")
+    got = [cache.document_arrays(d)["w"] for d in range(cache.num_documents)]
+    assert all(a.dtype == np.float32 for a in got)
+    assert [a.tolist() for a in got] == [[1, 2, i] for i in range(3)] + [[0.5, i] for i in range(3)]

@@ -4,7 +4,8 @@ A declared dtype casts each value with numpy's "same_kind" rule (integers to any
 refusing values it cannot hold
 (an integer out of range, a finite float that would overflow); an undeclared field takes the
 dtype, rank and trailing dims of its first record (in each input) and casts later ones the same
-way. Nested lists must be rectangular; an empty list takes the field's rank, 0 first. A value
+way (the commit step then refuses a block whose dtype or rank differs from the cache's first
+block: builder/commit.py). Nested lists must be rectangular; an empty list takes the field's rank, 0 first. A value
 that does not convert is a BadRecord "bad_array" naming the field.
 """
 

@@ -17,7 +17,7 @@ from typing import Any, Callable, Iterable
 
 from .._util import hooks
 from ..errors import BuildError
-from ..format.arrays import arrays_name
+from ..format.arrays import arrays_name, read_layout
 from ..format import blocks as fmt
 from ..format import ledger, provenance
 from ..format.storage import TMP_MARK, LocalStorage, Lock, Storage
@@ -75,6 +75,7 @@ class ManifestState:
             self.progress[i]["documents"] = sum(e["num_documents"] for e in blocks) \
                 if self.record_runs else None
         self._unsaved: list[dict[str, Any]] = []  # commit log records since the last save
+        self._array_reference: tuple[str, dict[str, tuple[str, int]]] | None = None
         chunk = existing["chunk_records"] if existing else ledger.new_chunk_records()
         self._writer = ledger.LedgerWriter(storage, head, chunk)
 
@@ -98,9 +99,33 @@ class ManifestState:
     def add_block(self, index: int, entry: dict, progress: dict) -> None:
         if entry["index"] < len(self.finished[index]):
             return  # reported again by a retried task: the same block, already recorded
+        self._check_array_layout(index, entry)
         self.finished[index].append(entry)
         self._set_progress(index, progress)  # (with the input's "documents" so far, if counted)
         self._unsaved.append({"input": index, "entry": entry, "progress": progress})
+
+    def _check_array_layout(self, index: int, entry: dict) -> None:
+        """BuildError unless the block's array fields have the dtype and rank of the cache's
+        first block: each input's worker fixes an undeclared field's from its own first record,
+        and a cache holds one dtype and rank per field."""
+        if not (self.spec.get("documents") or {}).get("arrays"):
+            return
+        layout = read_layout(self.storage, arrays_name(entry["path"]))
+        if self._array_reference is None:
+            first = next((blocks[0] for blocks in self.finished if blocks), entry)
+            self._array_reference = (first["path"], layout if first is entry else
+                                     read_layout(self.storage, arrays_name(first["path"])))
+        first_path, reference = self._array_reference
+        for name, (dtype, rank) in sorted(layout.items()):
+            want = reference.get(name)
+            if want is not None and want != (dtype, rank):
+                raise BuildError(
+                    f"array field {name!r} is {dtype} of rank {rank} in {entry['path']} (from "
+                    f"{self.spec['inputs'][index]['path']}), but {want[0]} of rank {want[1]} "
+                    f"in {first_path}: an undeclared field takes the dtype and rank of each input's "
+                    f"first record, and a cache holds one per field. Declare it, e.g. "
+                    f"arrays={{{name!r}: '{want[0]}[{', '.join('*' * want[1])}]'}}, and build "
+                    "into a new directory")
 
     def finish_input(self, index: int, progress: dict) -> None:
         self._set_progress(index, dict(progress, done=True))

@@ -24,7 +24,7 @@ import numpy as np
 
 from ..errors import CacheFormatError
 from . import blocks as fmt
-from .storage import Storage
+from .storage import LocalStorage, Storage
 
 ARRAY_DTYPES = {"BOOL": np.dtype("bool"), "U8": np.dtype("u1"), "I8": np.dtype("i1"),
                 "U16": np.dtype("<u2"), "I16": np.dtype("<i2"), "U32": np.dtype("<u4"),
@@ -206,3 +206,30 @@ def read_arrays_file(fd: int, path: str, num_documents: int, names: Sequence[str
             raise bad(f"{name}.shapes disagree with {name}.offsets")
         fields[name] = _Field(data, offsets, shapes)
     return BlockArrays(fields, path)
+
+
+def read_layout(storage: Storage, rel_path: str) -> dict[str, tuple[str, int]]:
+    """Each field's (numpy dtype name, rank) in a block's arrays sidecar, from its header alone
+    (two small reads, however large the arrays)."""
+    def prefix(n: int) -> bytes:
+        if isinstance(storage, LocalStorage):
+            with open(os.path.join(storage.root, rel_path), "rb") as f:
+                return f.read(n)
+        return storage.read_range(rel_path, 0, n)
+
+    def bad(what: str) -> CacheFormatError:
+        return CacheFormatError(f"{rel_path}: {what}; the arrays sidecar is corrupted or truncated")
+
+    start = prefix(8)
+    if len(start) < 8:
+        raise bad("no header")
+    (header_len,) = struct.unpack("<Q", start)
+    if header_len > fmt.MAX_HEADER_BYTES:
+        raise bad(f"header length {header_len}")
+    try:
+        header = json.loads(prefix(8 + header_len)[8:])
+        return {name: (str(ARRAY_DTYPES[entry["dtype"]]), int(header[name + ".shapes"]["shape"][1])
+                       if name + ".shapes" in header else 1)
+                for name, entry in header.items() if name != "__metadata__" and "." not in name}
+    except (ValueError, KeyError, TypeError, IndexError, AttributeError) as e:
+        raise bad(f"header is not a safetensors header ({e!r})") from None
