@@ -1,0 +1,364 @@
+"""Records of arrays (issue 32): build overhead, storage overhead and read speed, in one run.
+
+    python tools/bench_arrays.py [--records 400] [--rounds 3] [--tmp DIR] [--keep]
+                                 [--litdata VENV_PYTHON]
+
+A synthetic speech-like corpus, no audio needed: a small JSON lines file of (text, seed, frames)
+records, frames drawn 100..1500 (seeded), and a lazy pipeline whose map, ``featurize``, makes
+each record's float32 ``[frames, 80]`` features deterministically from its seed with numpy
+(Gaussian "power", then Whisper's log-mel post-processing: log10, clamp to max - 8, scale), so
+the features never sit in a JSON file. It measures:
+
+1. build overhead: ``featurize`` alone over all records (in this process, serially) against the
+   whole pipeline build, ``tc.source(jsonl).map(featurize).tokenize(gpt2, arrays=
+   ("input_features",), num_workers=1).cache(dir)`` (reading, featurize, tokenizing, writing,
+   fsync; one input, so the build runs inline, also serially). featurize is timed before and
+   after the build and the mean is used. Ratio = build / featurize (acceptance: <= 1.10).
+   featurize here is cheap (no STFT), so the ratio is a pessimistic one; a text-only build of the
+   same texts is timed too (reading and tokenizing), to show what storing the arrays adds.
+2. storage overhead: bytes of the ``*.arrays.safetensors`` sidecars, plus the growth of the
+   documents sidecars against a text-only cache of the same texts, over the arrays' raw bytes
+   (sum of frames * 80 * 4), in % (acceptance: <= 1%); also the whole cache's growth (every
+   file: index, manifest...) over the text-only cache's, beyond the raw bytes.
+3. read speed: one epoch of ``tc.DocumentDataset(cache)`` through ``tc.DataLoader(docs,
+   batch_size=8, collate_fn=tc.pad_collate, sampler=tc.DistributedSampler(docs, seed=0),
+   num_workers=W)`` for W = 0 and 2, against a raw baseline: one flat float32 file plus offsets
+   (written by this benchmark), each item a copy out of an ``np.memmap`` as a tensor, batches
+   padded with zeros in torch with the true shapes (the same padding work as pad_collate's
+   arrays), through ``torch.utils.data.DataLoader`` with the same order (the sampler's, listed
+   beforehand), batch size and W. Rates are records/s over the epoch after its first batch
+   (worker start-up excluded), in interleaved rounds; a ratio is the median over rounds of
+   ours / baseline in the same round (acceptance: >= 0.9 with W = 2).
+4. with ``--litdata PYTHON`` (a venv with litdata and torch, e.g. ``python -m venv V &&
+   V/bin/pip install litdata torch``): this script re-run under that Python optimizes the same
+   records once (``litdata.optimize``, into TMP/litdata) and reads one shuffled epoch of
+   ``litdata.StreamingDataset`` through ``litdata.StreamingDataLoader`` (same batch size,
+   collate and W), against the raw baseline measured in that same process; ours / litdata is
+   then (ours / raw) / (litdata / raw). Its order is litdata's own shuffle, not the sampler's.
+
+No timing is asserted; the machine may be shared, so only same-run ratios count. The exact
+command is printed with the figures. Scratch data goes to --tmp (default a fresh temporary
+folder, removed at the end unless --keep).
+"""
+
+from __future__ import annotations
+
+import argparse
+import glob
+import gzip
+import json
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+import numpy as np
+import torch
+import torch.utils.data as tud
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+TOKENIZER_GZ = os.path.join(HERE, "..", "tests", "data", "gpt2-tokenizer.json.gz")
+MELS, BATCH, FIELD = 80, 8, "input_features"
+WORDS = ("the quick brown fox jumps over a lazy dog while seven speakers read short "
+         "sentences aloud into a microphone at sixteen kilohertz").split()
+
+
+# ---- corpus ----------------------------------------------------------------------------------
+
+def write_corpus(path: str, records: int, seed: int) -> np.ndarray:
+    """JSON lines of {"text", "seed", "frames"}; returns the frames of each record."""
+    rng = np.random.default_rng(seed)
+    frames = rng.integers(100, 1501, size=records)
+    with open(path, "w", encoding="utf-8") as f:
+        for i, n in enumerate(frames.tolist()):
+            text = " ".join(rng.choice(WORDS, size=int(rng.integers(5, 30))).tolist())
+            f.write(json.dumps({"text": text, "seed": seed * 1_000_003 + i, "frames": n}) + "\n")
+    return frames
+
+
+def features(seed: int, frames: int) -> np.ndarray:
+    """Deterministic log-mel-like float32 [frames, 80] (Whisper's post-processing of a power
+    spectrogram, the spectrogram itself Gaussian noise)."""
+    power = np.random.default_rng(seed).standard_normal((frames, MELS), dtype=np.float32) ** 2
+    log = np.log10(np.maximum(power, 1e-10))
+    log = np.maximum(log, log.max() - 8.0)
+    return (log + 4.0) / 4.0
+
+
+def featurize(r: dict) -> dict:
+    """The pipeline's map: the record's features from its seed."""
+    return {"text": r["text"], FIELD: features(r["seed"], r["frames"])}
+
+
+def read_corpus(path: str) -> list[dict]:
+    with open(path, encoding="utf-8") as f:
+        return [json.loads(line) for line in f]
+
+
+# ---- raw baseline ----------------------------------------------------------------------------
+
+def write_flat(records: list[dict], path: str) -> np.ndarray:
+    """All features in record order in one flat float32 file; returns the frame offsets."""
+    offsets = np.zeros(len(records) + 1, dtype=np.int64)
+    with open(path, "wb") as f:
+        for i, r in enumerate(records):
+            f.write(features(r["seed"], r["frames"]).tobytes())
+            offsets[i + 1] = offsets[i] + r["frames"]
+    np.save(path + ".offsets.npy", offsets)
+    return offsets
+
+
+class RawArrays(tud.Dataset):
+    """Item i: a copy of record i's features out of an np.memmap (opened per process)."""
+
+    def __init__(self, path: str) -> None:
+        self.path, self.offsets, self.mm = path, np.load(path + ".offsets.npy"), None
+
+    def __len__(self) -> int:
+        return len(self.offsets) - 1
+
+    def __getitem__(self, i: int) -> dict:
+        if self.mm is None:
+            self.mm = np.memmap(self.path, dtype=np.float32, mode="r").reshape(-1, MELS)
+        a, b = self.offsets[i], self.offsets[i + 1]
+        return {FIELD: torch.from_numpy(np.array(self.mm[a:b]))}
+
+    def __getstate__(self) -> dict:
+        return {**self.__dict__, "mm": None}
+
+
+def raw_pad(batch: list[dict]) -> dict:
+    """Zero-pad to the batch's largest shape in every dimension, with the true shapes."""
+    arrays = [torch.as_tensor(item[FIELD]) for item in batch]  # litdata's items are numpy
+    shapes = torch.tensor([list(a.shape) for a in arrays], dtype=torch.int64)
+    padded = torch.zeros((len(arrays), *shapes.max(dim=0).values.tolist()), dtype=arrays[0].dtype)
+    for i, a in enumerate(arrays):
+        padded[(i, *(slice(0, n) for n in a.shape))] = a
+    return {FIELD: padded, FIELD + "_shape": shapes}
+
+
+def epoch_rate(loader, records: int) -> float:
+    """Records/s over one epoch after its first batch (start-up excluded)."""
+    it, seen = iter(loader), 0
+    first = next(it)
+    seen_first = len(first[FIELD])
+    start = time.perf_counter()
+    for batch in it:
+        seen += len(batch[FIELD])
+    seconds = time.perf_counter() - start
+    assert seen + seen_first == records, (seen + seen_first, records)
+    return seen / seconds
+
+
+def raw_loader(flat: str, order: list[int] | None, workers: int):
+    ds = RawArrays(flat)
+    sampler = order if order is not None else \
+        tud.RandomSampler(ds, generator=torch.Generator().manual_seed(0))
+    return tud.DataLoader(ds, batch_size=BATCH, sampler=sampler, collate_fn=raw_pad,
+                          num_workers=workers, persistent_workers=False)
+
+
+# ---- litdata (run under the litdata venv's Python) -------------------------------------------
+
+def litdata_child(tmp: str, rounds: int) -> None:
+    """Optimize the corpus once, then time StreamingDataset epochs against the raw baseline;
+    print one JSON line."""
+    import warnings
+
+    import litdata as ld
+
+    warnings.filterwarnings("ignore", message=".*not writable.*")  # its arrays are read-only views
+
+    records = read_corpus(os.path.join(tmp, "corpus.jsonl"))
+    out = os.path.join(tmp, "litdata")
+    t = time.perf_counter()
+    if not os.path.exists(os.path.join(out, "index.json")):
+        ld.optimize(fn=_litdata_item, inputs=records, output_dir=out, chunk_bytes="64MB",
+                    num_workers=1)
+    optimize_s = time.perf_counter() - t
+    nbytes = sum(os.path.getsize(p) for p in glob.glob(os.path.join(out, "*.bin")))
+    flat = os.path.join(tmp, "flat.f32")
+    result = {"optimize_s": optimize_s, "bytes": nbytes, "ratios": {}, "rates": {}}
+    for workers in (0, 2):
+        ratios, rates = [], []
+        for _ in range(rounds):
+            ds = ld.StreamingDataset(out, shuffle=True, seed=0)
+            lit = epoch_rate(ld.StreamingDataLoader(ds, batch_size=BATCH, collate_fn=raw_pad,
+                                                    num_workers=workers), len(records))
+            raw = epoch_rate(raw_loader(flat, None, workers), len(records))
+            ratios.append(lit / raw)
+            rates.append(lit)
+        result["ratios"][workers] = statistics.median(ratios)
+        result["rates"][workers] = statistics.median(rates)
+    print("LITDATA " + json.dumps(result), flush=True)
+
+
+def _litdata_item(r: dict) -> dict:
+    return {FIELD: features(r["seed"], r["frames"])}
+
+
+# ---- main ------------------------------------------------------------------------------------
+
+def dir_bytes(pattern: str) -> int:
+    return sum(os.path.getsize(p) for p in glob.glob(pattern, recursive=True))
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--records", type=int, default=400, help="records in the corpus (default 400, "
+                   "about 100 MB of features)")
+    p.add_argument("--rounds", type=int, default=3, help="interleaved read rounds (default 3)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--tmp", default=None, help="scratch folder (default: a new temporary one)")
+    p.add_argument("--keep", action="store_true", help="keep the scratch folder")
+    p.add_argument("--litdata", default=None, metavar="PYTHON",
+                   help="a Python with litdata installed: add the litdata comparison")
+    p.add_argument("--threads", type=int, default=1, help="torch threads in the main process "
+                   "(default 1, as in DataLoader workers: on a busy machine more threads make the "
+                   "padding of in-process loaders tens of times slower)")
+    p.add_argument("--litdata-child", default=None, help=argparse.SUPPRESS)
+    args = p.parse_args()
+    torch.set_num_threads(args.threads)
+    if args.litdata_child:
+        litdata_child(args.litdata_child, args.rounds)
+        return
+
+    sys.path.insert(0, os.path.join(HERE, ".."))
+    import torchcache as tc
+
+    command = " ".join([os.path.basename(sys.executable), *sys.argv])
+    tmp = args.tmp or tempfile.mkdtemp(prefix="bench_arrays-")
+    os.makedirs(tmp, exist_ok=True)
+    try:
+        corpus = os.path.join(tmp, "corpus.jsonl")
+        frames = write_corpus(corpus, args.records, args.seed)
+        records = read_corpus(corpus)
+        raw_bytes = int(frames.sum()) * MELS * 4
+        tokenizer = os.path.join(tmp, "gpt2-tokenizer.json")
+        with gzip.open(TOKENIZER_GZ, "rb") as f, open(tokenizer, "wb") as g:
+            g.write(f.read())
+        print(f"{args.records} records, frames 100..1500 (mean {frames.mean():.0f}), "
+              f"{raw_bytes / 1e6:.1f} MB of float32 features; scratch {tmp}", flush=True)
+
+        # 1. build overhead
+        def featurize_all() -> float:
+            t = time.perf_counter()
+            for r in records:
+                featurize(r)
+            return time.perf_counter() - t
+
+        before = featurize_all()
+        out = os.path.join(tmp, "cache")
+        shutil.rmtree(out, ignore_errors=True)
+        t = time.perf_counter()
+        cache = (tc.source(corpus).map(featurize)
+                 .tokenize(tokenizer, arrays=(FIELD,), num_workers=1, progress=False).cache(out))
+        build_s = time.perf_counter() - t
+        after = featurize_all()
+        feat_s = (before + after) / 2
+        text_out = os.path.join(tmp, "cache-text")
+        shutil.rmtree(text_out, ignore_errors=True)
+        t = time.perf_counter()
+        tc.source(corpus).tokenize(tokenizer, num_workers=1, progress=False).cache(text_out)
+        text_s = time.perf_counter() - t
+
+        # 2. storage overhead
+        arrays_b = dir_bytes(os.path.join(out, "**", "*.arrays.safetensors"))
+        docs_b = dir_bytes(os.path.join(out, "**", "*.docs*"))
+        docs_text_b = dir_bytes(os.path.join(text_out, "**", "*.docs*"))
+        total_b, total_text_b = dir_bytes(os.path.join(out, "**", "*")), \
+            dir_bytes(os.path.join(text_out, "**", "*"))
+        storage = arrays_b + (docs_b - docs_text_b)
+
+        # check: what we read back is what featurize made
+        for i in (0, len(records) // 2, len(records) - 1):
+            expected = features(records[i]["seed"], records[i]["frames"])
+            assert np.array_equal(cache.document_arrays(i)[FIELD], expected), i
+
+        # 3. read speed
+        flat = os.path.join(tmp, "flat.f32")
+        write_flat(records, flat)
+        docs = tc.DocumentDataset(cache)
+        order = list(iter(tc.DistributedSampler(docs, seed=0)))
+        assert sorted(order) == list(range(len(records)))
+        for path in glob.glob(os.path.join(out, "**", "*"), recursive=True) + [flat]:
+            if os.path.isfile(path):  # page cache warm for both
+                with open(path, "rb") as f:
+                    while f.read(1 << 24):
+                        pass
+        ratios: dict[int, list[float]] = {0: [], 2: []}
+        rates: dict[str, dict[int, list[float]]] = {"ours": {0: [], 2: []}, "raw": {0: [], 2: []}}
+        for rnd in range(args.rounds):
+            for workers in (0, 2):
+                def ours() -> float:
+                    loader = tc.DataLoader(docs, batch_size=BATCH, collate_fn=tc.pad_collate,
+                                           sampler=tc.DistributedSampler(docs, seed=0),
+                                           num_workers=workers)
+                    return epoch_rate(loader, len(records))
+
+                def raw() -> float:
+                    return epoch_rate(raw_loader(flat, order, workers), len(records))
+
+                if rnd % 2 == 0:
+                    a, b = ours(), raw()
+                else:
+                    b, a = raw(), ours()
+                rates["ours"][workers].append(a)
+                rates["raw"][workers].append(b)
+                ratios[workers].append(a / b)
+
+        lit = None
+        if args.litdata:
+            proc = subprocess.run([args.litdata, os.path.abspath(__file__), "--litdata-child", tmp,
+                                   "--rounds", str(args.rounds), "--threads", str(args.threads)],
+                                  capture_output=True, text=True)
+            lines = [l for l in proc.stdout.splitlines() if l.startswith("LITDATA ")]
+            if proc.returncode or not lines:
+                print(f"litdata run failed (exit {proc.returncode}):\n{proc.stderr[-3000:]}")
+            else:
+                lit = json.loads(lines[-1][len("LITDATA "):])
+
+        # summary
+        print()
+        print(f"command: {command}")
+        print(f"machine: {os.cpu_count()} CPUs, torch {torch.__version__}; loadavg "
+              f"{' '.join(f'{x:.2f}' for x in os.getloadavg())} (shared machine: same-run ratios only)")
+        print(f"build   featurize alone {feat_s:.2f} s (before {before:.2f}, after {after:.2f}); "
+              f"pipeline build with arrays {build_s:.2f} s; ratio build/featurize "
+              f"{build_s / feat_s:.3f} (overhead {100 * (build_s / feat_s - 1):+.1f}%); "
+              f"for reference the text-only "
+              f"build of the same texts {text_s:.2f} s, so storing the arrays adds "
+              f"{build_s - feat_s - text_s:.2f} s "
+              f"({100 * (build_s - feat_s - text_s) / feat_s:+.1f}% of featurize)")
+        print(f"storage arrays sidecars {arrays_b:,} B + docs sidecars growth "
+              f"{docs_b - docs_text_b:+,} B vs raw arrays {raw_bytes:,} B: overhead "
+              f"{100 * (storage - raw_bytes) / raw_bytes:+.3f}%  (whole cache {total_b:,} B, "
+              f"text-only cache {total_text_b:,} B: all of the growth "
+              f"{total_b - total_text_b - raw_bytes:+,} B "
+              f"beyond the arrays, {100 * (total_b - total_text_b - raw_bytes) / raw_bytes:+.3f}%)")
+        for workers in (0, 2):
+            print(f"read    W={workers}: DocumentDataset+pad_collate "
+                  f"{statistics.median(rates['ours'][workers]):,.0f} rec/s, raw memmap gather "
+                  f"{statistics.median(rates['raw'][workers]):,.0f} rec/s; ours/raw median "
+                  f"{statistics.median(ratios[workers]):.3f} (rounds: "
+                  f"{', '.join(f'{r:.3f}' for r in ratios[workers])})")
+        if lit is not None:
+            print(f"litdata optimize {lit['optimize_s']:.2f} s, {lit['bytes']:,} B of chunks "
+                  f"({100 * (lit['bytes'] - raw_bytes) / raw_bytes:+.3f}% over raw)")
+            for workers in (0, 2):
+                lr = lit["ratios"][str(workers)]
+                ours_r = statistics.median(ratios[workers])
+                print(f"litdata W={workers}: StreamingDataset {lit['rates'][str(workers)]:,.0f} rec/s, "
+                      f"litdata/raw {lr:.3f}; ours/litdata {ours_r / lr:.3f}")
+        elif not args.litdata:
+            print("litdata: not measured (pass --litdata PYTHON)")
+    finally:
+        if not args.keep and not args.tmp:
+            shutil.rmtree(tmp, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    main()
