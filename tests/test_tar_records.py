@@ -220,3 +220,90 @@ def test_a_tar_pipeline_killed_mid_build_resumes_to_the_same_bytes(tmp_path, boo
         info = cache.document_info(d)
         assert cache.decode(cache.document(d)[:-1]).endswith(" " + info["key"])
         assert info["input"] in tars and info["key"] == f"doc{info['record']:05d}"
+
+
+# ---------------------------------------------------------------- format v3 keeps the sample keys
+
+def transcript_and_length(record):
+    return {"text": record["txt"].decode("utf-8"), "n": len(record["txt"])}
+
+
+def transcript_and_energy(record):
+    raw = np.frombuffer(record["flac"], dtype=np.uint8)
+    return {"text": record["txt"].decode("utf-8"),
+            "energy": raw[: len(raw) // 80 * 80].reshape(-1, 80).astype(np.float32).sum(axis=1)}
+
+
+def _blocks(path) -> list[str]:
+    return sorted(p.name for p in (path / "blocks").iterdir())
+
+
+@pytest.mark.parametrize("kept", [{"keep_fields": ("n",)}, {"arrays": ("energy",)}])
+def test_a_v3_tar_cache_keeps_each_sample_key_in_its_documents_sidecar(tmp_path, speech,
+                                                                       gpt2_tokenizer_path, kept):
+    step = transcript_and_length if "keep_fields" in kept else transcript_and_energy
+    cache = (tc.source(speech).map(step).tokenize(gpt2_tokenizer_path, progress=False, **kept)
+             .cache(tmp_path / "c"))
+    assert json.loads((tmp_path / "c" / "manifest.json").read_text())["version"] == 3
+    assert [cache.document_key(d) for d in range(cache.num_documents)] == SPEECH_KEYS
+    assert [cache.document_info(d)["key"] for d in range(cache.num_documents)] == SPEECH_KEYS
+    assert cache.trace(int(cache.block_token_starts()[0]))["key"] == SPEECH_KEYS[0]
+    assert not [name for name in _blocks(tmp_path / "c") if name.endswith(".keys.json")]
+    assert tc.verify_cache(tmp_path / "c") == []
+    assert [tc.TokenCache(tmp_path / "c", verify_checksums=True).document_key(d)
+            for d in range(cache.num_documents)] == SPEECH_KEYS
+
+
+def _patch_docs_checksum(cache_dir, b: int, data: bytes) -> None:
+    """Make index record b's third checksum (the documents sidecar's, in v3) that of `data`."""
+    index = cache_dir / "index" / "000000.bin"
+    raw = bytearray(index.read_bytes())
+    raw[b * 128 + 96: b * 128 + 128] = hashlib.sha256(data).digest()
+    index.write_bytes(bytes(raw))
+
+
+def test_verify_and_reads_find_damaged_sample_keys_in_a_v3_sidecar(tmp_path, speech,
+                                                                    gpt2_tokenizer_path):
+    """(A pipeline cache is not repairable: its steps are recorded by fingerprint only; the
+    damaged file is put back by hand between the cases.)"""
+    from safetensors.numpy import load_file
+    from torchcache.format import blocks as fmt
+    from torchcache.format.storage import LocalStorage
+
+    out = tmp_path / "c"
+    cache = (tc.source(speech).map(transcript_and_length)
+             .tokenize(gpt2_tokenizer_path, progress=False, keep_fields=("n",)).cache(out))
+    name = cache.block_table.path(0).replace(".safetensors", ".docs.safetensors")
+    path = out / name
+    good = path.read_bytes()
+    assert good.count(b"utt00001") == 1
+
+    path.write_bytes(good.replace(b"utt00001", b"utt0000X"))  # bytes flipped inside the keys
+    problems = tc.verify_cache(out)
+    assert len(problems) == 1 and name in problems[0] and "checksum" in problems[0]
+    with pytest.raises(tc.CacheFormatError, match=r"docs\.safetensors"):
+        tc.TokenCache(out, verify_checksums=True).document_key(1)
+    path.write_bytes(good)
+
+    path.write_bytes(good.replace(b'"utt00001"', b'"utt00001\xff'))  # not UTF-8 JSON
+    with pytest.raises(tc.CacheFormatError, match=r"docs\.safetensors: the sample keys are not a UTF-8 "
+                                                  r"JSON list.*corrupted"):
+        tc.TokenCache(out).document_key(0)
+    path.write_bytes(good)
+
+    # a sidecar rewritten whole with one key too few, its checksum recorded: a structural problem
+    tensors = load_file(str(path))
+    tensors["keys"] = np.frombuffer(json.dumps(SPEECH_KEYS[:-1], separators=(",", ":")).encode(),
+                                    dtype=np.uint8)
+    fmt.write_tensors_file(LocalStorage(str(out)), name, tensors,
+                           {"format": "torchcache", "version": "3"})
+    _patch_docs_checksum(out, 0, path.read_bytes())
+    problems = tc.verify_cache(out)
+    assert len(problems) == 1 and name in problems[0] and "checksum" not in problems[0]
+    assert "keys holds 3 sample keys, the block has 4 documents" in problems[0]
+    with pytest.raises(tc.CacheFormatError, match=r"docs\.safetensors: keys holds 3"):
+        tc.TokenCache(out).document_info(0)
+    _patch_docs_checksum(out, 0, good)  # the record back: the file is now the damage
+    assert "checksum" in tc.verify_cache(out)[0]
+    path.write_bytes(good)
+    assert tc.verify_cache(out) == [] and tc.TokenCache(out).document_key(3) == SPEECH_KEYS[3]

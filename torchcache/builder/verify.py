@@ -145,9 +145,10 @@ class _BlockFile:
 
 def _block_files(spec: dict[str, Any], table: BlockTable, b: int, dtype: np.dtype,
                  records: int | None = None, found: dict[str, str] | None = None) -> list[_BlockFile]:
-    """Block b's files: tokens, offsets, and its keys file (v1/v2) or documents sidecar (v3);
-    `records`: its input's record count, which no stored record number may reach; `found` gets
-    the arrays sidecar's checksum the documents sidecar holds (a cache with arrays)."""
+    """Block b's files: tokens, offsets, and its keys file (v1/v2) or documents sidecar (v3, which
+    holds the sample keys); `records`: its input's record count, which no stored record number may
+    reach; `found` gets the arrays sidecar's checksum the documents sidecar holds (a cache with
+    arrays)."""
     record = table.records[b]
     tokens, documents, size = int(record["num_tokens"]), int(record["num_documents"]), int(record["size"])
     input_path = spec["inputs"][table.input(b)]["path"]
@@ -168,6 +169,7 @@ def _block_files(spec: dict[str, Any], table: BlockTable, b: int, dtype: np.dtyp
         kept = spec["documents"]
 
         def check_docs(fd: int, path: str) -> None:
+            # (checks the sample keys it holds, if any: one UTF-8 JSON string per document)
             docs = read_docs_file(fd, path, documents, tokens, mask=bool(kept["loss_mask"]),
                                   fields=bool(kept["keep_fields"]), arrays=has_arrays(spec))
             if docs.arrays_sha256 is not None and found is not None:

@@ -255,7 +255,9 @@ class _BlockBuilder:
             runs = runs_of(self.records)
         if self.documents_before is not None:
             self.documents_before += len(self.docs)
-        entry = _write_block(self.job, self.index, block_no, self.docs, self.keys, runs)
+        # v3 keeps the sample keys in the documents sidecar (under its checksum), not a keys file
+        keys_file = self.keys if self.job.documents is None else []
+        entry = _write_block(self.job, self.index, block_no, self.docs, keys_file, runs)
         if self.job.documents is not None:
             runs = mask_runs(np.concatenate(self.trained)) if self.masked else None
             fields = self.fields if self.job.documents["keep_fields"] else None
@@ -264,7 +266,7 @@ class _BlockBuilder:
                 arrays_checksum = write_arrays_file(self.job.output, arrays_name(entry["path"]),
                                                     self.arrays).checksum
             written = write_docs_file(self.job.output, fmt.docs_name(entry["path"]), self.records,
-                                      runs, fields, entry["num_tokens"], arrays_checksum)
+                                      runs, fields, entry["num_tokens"], arrays_checksum, self.keys)
             entry.update(docs=written.path, docs_checksum=written.checksum)
         self._reset()
         return entry

@@ -12,7 +12,10 @@ are trained, and the fields the build kept (see docs/format.md, "Format v3").
                  Both only in a cache built with keep_fields.
   arrays_sha256  U8[32], the sha256 of the block's arrays sidecar (format/arrays.py); only in a
                  cache built with arrays=.
-Its sha256 takes the index record's third checksum slot (the keys file's in v1/v2).
+  keys           U8, the documents' sample keys (webdataset `__key__`) as one compact JSON list
+                 (UTF-8), one per document; only in a block whose input's records have keys (tars).
+Its sha256 takes the index record's third checksum slot (the keys file's in v1/v2), so it covers
+the keys too: a v3 block has no keys file.
 """
 
 from __future__ import annotations
@@ -30,7 +33,7 @@ from .storage import Storage
 
 DOCS_VERSION = 3  # the layout version of a cache whose blocks have documents sidecars
 _REQUIRED = ("records",)
-_OPTIONAL = ("mask", "fields", "field_offsets", "arrays_sha256")
+_OPTIONAL = ("mask", "fields", "field_offsets", "arrays_sha256", "keys")
 MAX_FIELDS_BYTES = 1 << 30
 
 
@@ -64,6 +67,11 @@ class BlockDocuments:
     field_offsets: np.ndarray | None
     path: str = ""             # the sidecar's path, for errors
     arrays_sha256: str | None = None  # "sha256:<hex>" of the block's arrays sidecar (None: no arrays)
+    keys: tuple[str | None, ...] | None = None  # each document's sample key (None: the block has none)
+
+    def key_of(self, d: int) -> str | None:
+        """The sample key of the block's document d (None when the block keeps no keys)."""
+        return None if self.keys is None else self.keys[d]
 
     def fields_of(self, d: int) -> dict[str, Any]:
         """The kept fields of the block's document d ({} when none were kept); damaged bytes
@@ -86,9 +94,11 @@ class BlockDocuments:
 
 def write_docs_file(storage: Storage, rel_path: str, records: Sequence[int], runs: np.ndarray | None,
                     fields: Sequence[bytes] | None, num_tokens: int,
-                    arrays_sha256: str | None = None) -> fmt.WrittenFile:
+                    arrays_sha256: str | None = None,
+                    keys: Sequence[str | None] | None = None) -> fmt.WrittenFile:
     """Write a block's documents sidecar (whole or not at all); `arrays_sha256`: the checksum ("sha256:<hex>")
-    of the block's arrays sidecar, in a cache with arrays."""
+    of the block's arrays sidecar, in a cache with arrays; `keys`: the documents' sample keys
+    (None, or all None: the block keeps none, and the sidecar has no `keys` tensor)."""
     tensors: dict[str, np.ndarray] = {"records": np.asarray(records, dtype=np.int64)}
     if runs is not None:
         dtype = np.int32 if num_tokens < 1 << 31 else np.int64
@@ -101,6 +111,9 @@ def write_docs_file(storage: Storage, rel_path: str, records: Sequence[int], run
     if arrays_sha256 is not None:
         tensors["arrays_sha256"] = np.frombuffer(bytes.fromhex(arrays_sha256.removeprefix("sha256:")),
                                                  dtype=np.uint8)
+    if keys is not None and any(k is not None for k in keys):
+        text = json.dumps(list(keys), ensure_ascii=False, separators=(",", ":")).encode("utf-8")
+        tensors["keys"] = np.frombuffer(text, dtype=np.uint8)
     meta = {"format": fmt.FORMAT_NAME, "version": str(DOCS_VERSION)}
     return fmt.write_tensors_file(storage, rel_path, tensors, meta)
 
@@ -108,7 +121,7 @@ def write_docs_file(storage: Storage, rel_path: str, records: Sequence[int], run
 def docs_max_size(num_documents: int, num_tokens: int) -> int:
     """The largest a sound documents sidecar of such a block can be (a cap checked before reading)."""
     return fmt.MAX_HEADER_BYTES + 8 + 8 * num_documents + 8 * (num_documents + 1) + 8 * num_tokens \
-        + MAX_FIELDS_BYTES + 32
+        + MAX_FIELDS_BYTES + 32 + fmt.MAX_KEYS_BYTES
 
 
 def read_docs_file(fd: int, path: str, num_documents: int, num_tokens: int,
@@ -153,7 +166,27 @@ def read_docs_file(fd: int, path: str, num_documents: int, num_tokens: int,
     if arrays:
         digest = "sha256:" + bytes(_array(fd, path, headers["arrays_sha256"], ("U8",), 32, bad,
                                           "arrays_sha256")).hex()
-    return BlockDocuments(records, runs, text, offsets, path, digest)
+    keys = None
+    if "keys" in headers:
+        keys = _keys(fd, path, headers["keys"], num_documents, bad)
+    return BlockDocuments(records, runs, text, offsets, path, digest, keys)
+
+
+def _keys(fd: int, path: str, header: fmt.TensorHeader, num_documents: int,
+          bad: Any) -> tuple[str | None, ...]:
+    """The sidecar's `keys` tensor: a UTF-8 JSON list of one string (or null) per document."""
+    if header.dtype != fmt.DTYPES["U8"] or header.length > fmt.MAX_KEYS_BYTES:
+        raise bad("keys is not bytes")
+    raw = bytes(fmt.read_exact(fd, header.data_start, header.length, path))
+    try:
+        keys = json.loads(raw.decode("utf-8"))
+    except (UnicodeDecodeError, ValueError, RecursionError) as e:
+        raise bad(f"the sample keys are not a UTF-8 JSON list ({type(e).__name__}: {e})") from None
+    if not isinstance(keys, list) or not all(k is None or isinstance(k, str) for k in keys):
+        raise bad("the sample keys are not a JSON list of strings")
+    if len(keys) != num_documents:
+        raise bad(f"keys holds {len(keys)} sample keys, the block has {num_documents} documents")
+    return tuple(keys)
 
 
 def _array(fd: int, path: str, header: fmt.TensorHeader, dtypes: tuple[str, ...], length: int | None,

@@ -969,6 +969,8 @@ class TokenCache:
         """
         i = self._check_document(i)
         b = self._document_block(i)
+        if self._table.docs:  # format v3: the keys are in the documents sidecar, when it has them
+            return self._block_docs(b).key_of(i - int(self._doc_starts[b]))
         if not self._table.has_keys(b):
             return None
         keys = self._keys_cache.get_or_make(b, lambda: self._load_block_keys(b))
