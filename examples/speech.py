@@ -26,6 +26,7 @@ import gzip
 import io
 import json
 import os
+import sys
 import time
 from pathlib import Path
 
@@ -35,7 +36,9 @@ import torch.nn.functional as F
 
 import torchcache as tc
 
-DATA = Path(__file__).resolve().parent.parent / "tests" / "data"
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from train_gpt import DATA, save  # noqa: E402  (the bundled data and the atomic checkpoint)
+
 SAMPLING_RATE = 16000
 N_MELS = 80
 
@@ -124,13 +127,6 @@ def build(out: Path, data: str, tokenizer: str | None, workers: int) -> tc.Token
     return (tc.source(data).map(featurize)
             .tokenize(tokenizer, arrays=("input_features",), num_workers=workers, progress=False)
             .cache(out / "cache"))
-
-
-def save(path: Path, **state) -> None:
-    """Write to a temporary file, then rename: a kill never leaves a half-written checkpoint."""
-    tmp = path.with_name(path.name + ".tmp")
-    torch.save(state, tmp)
-    os.replace(tmp, path)
 
 
 def main() -> None:

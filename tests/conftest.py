@@ -211,3 +211,35 @@ def python_with_hooks(code: str, *args: str, **settings) -> list[str]:
     values = json.dumps(dict(hooks.values(), **settings))
     prelude = f"import json, sys\nfrom torchcache._util import hooks\nhooks.apply(json.loads({values!r}))\n"
     return [sys.executable, "-c", prelude + code, *args]
+
+
+def killed_build_resumes_to_the_same_bytes(code: str, *args: str, root: Path) -> Path:
+    """Run the build script `code` (its last argument the output) into root/"whole", and again
+    into root/"killed", SIGKILLed after 3 commits and then run once more; assert the resumed
+    cache's files equal the uninterrupted one's byte for byte. Returns root/"whole"."""
+    def run(out: Path, **hooks) -> subprocess.CompletedProcess:
+        return subprocess.run(python_with_hooks(code, *args, str(out), **hooks), capture_output=True,
+                              text=True, timeout=300)
+
+    whole = run(root / "whole")
+    assert whole.returncode == 0, whole.stderr
+    killed = run(root / "killed", kill_after_commits=3)
+    assert killed.returncode == -9
+    resumed = run(root / "killed")
+    assert resumed.returncode == 0, resumed.stderr
+    assert tree_bytes(str(root / "killed")) == tree_bytes(str(root / "whole"))
+    return root / "whole"
+
+
+def example_losses(out: Path) -> dict[int, float]:
+    """An example training script's losses.jsonl, by step (steps 1, 2, ... with none missing)."""
+    rows = [json.loads(line) for line in (out / "losses.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == list(range(1, len(rows) + 1))
+    return {r["step"]: r["loss"] for r in rows}
+
+
+def example_checkpoint(out: Path) -> tuple[int, dict]:
+    """An example training script's checkpoint.pt: its step and the loader state it holds."""
+    import torch  # (only the example tests need it)
+    ckpt = torch.load(out / "checkpoint.pt", weights_only=True)
+    return ckpt["step"], json.loads(ckpt["loader"])

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import json
 import re
-import subprocess
 import textwrap
 
 import numpy as np
@@ -16,7 +15,7 @@ import pytest
 import torchcache as tc
 from torchcache.builder.functions import (FunctionError, function_fingerprint, pack_function,
                                         unpack_function)
-from conftest import paragraphs, python_with_hooks, tree_bytes
+from conftest import killed_build_resumes_to_the_same_bytes, paragraphs, tree_bytes
 
 MIN_CHARS = 120
 SPACES = re.compile(r"\s+")
@@ -160,18 +159,7 @@ PLAIN_SCRIPT = textwrap.dedent("""\
 def test_a_plain_script_killed_mid_build_resumes_to_the_same_bytes(tmp_path, inputs, gpt2_tokenizer_path):
     """Functions of a script's __main__ (no __name__ guard) reach fresh worker processes; a build
     killed (SIGKILL) after a few commits resumes to the bytes of an uninterrupted one."""
-    def run(out, **hooks):
-        command = python_with_hooks(PLAIN_SCRIPT, json.dumps(inputs), gpt2_tokenizer_path, str(out),
-                                    **hooks)
-        return subprocess.run(command, capture_output=True, text=True, timeout=300)
-
-    whole = run(tmp_path / "whole")
-    assert whole.returncode == 0, whole.stderr
-    killed = run(tmp_path / "killed", kill_after_commits=3)
-    assert killed.returncode == -9
-    resumed = run(tmp_path / "killed")
-    assert resumed.returncode == 0, resumed.stderr
-    assert tree_bytes(str(tmp_path / "killed")) == tree_bytes(str(tmp_path / "whole"))
+    killed_build_resumes_to_the_same_bytes(PLAIN_SCRIPT, json.dumps(inputs), gpt2_tokenizer_path, root=tmp_path)
     cache = tc.TokenCache(tmp_path / "whole")
     text = cache.decode(cache.document(0)[:-1])  # (without the EOS the build added)
     assert text == text.upper() and cache.skipped.get("filtered", 0) > 0

@@ -19,9 +19,9 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-import torch
 
 import torchcache as tc
+from conftest import example_checkpoint, example_losses
 
 ROOT = Path(__file__).resolve().parent.parent
 SCRIPT = ROOT / "examples" / "speech.py"
@@ -39,17 +39,6 @@ def run(out: Path, *extra: str, cache: Path | None = None) -> str:
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env)
     assert proc.returncode == 0, f"{cmd} failed:\n{proc.stdout}\n{proc.stderr}"
     return proc.stdout
-
-
-def losses(out: Path) -> dict[int, float]:
-    rows = [json.loads(line) for line in (out / "losses.jsonl").read_text().splitlines()]
-    assert [r["step"] for r in rows] == list(range(1, len(rows) + 1))
-    return {r["step"]: r["loss"] for r in rows}
-
-
-def saved(out: Path) -> tuple[int, dict]:
-    ckpt = torch.load(out / "checkpoint.pt", weights_only=True)
-    return ckpt["step"], json.loads(ckpt["loader"])
 
 
 def load_example():
@@ -76,9 +65,9 @@ def test_speech_example_features_and_exact_resume(tmp_path):
     ref_out = tmp_path / "reference"
     stdout = run(ref_out, "--num-workers", "2")
     assert "cache: 4 utterances" in stdout
-    ref = losses(ref_out)
+    ref = example_losses(ref_out)
     assert len(ref) == STEPS and ref[STEPS] < ref[1]  # it learns something
-    assert saved(ref_out) == (STEPS, saved(ref_out)[1]) and saved(ref_out)[1]["consumed"] == STEPS * BATCH
+    assert example_checkpoint(ref_out) == (STEPS, example_checkpoint(ref_out)[1]) and example_checkpoint(ref_out)[1]["consumed"] == STEPS * BATCH
 
     # features read back are bit-identical to featurize() of the record; tokens are its transcript
     example = load_example()
@@ -103,12 +92,12 @@ def test_speech_example_features_and_exact_resume(tmp_path):
     # stopped after 5 steps (checkpoint at 4), resumed with 2 workers: the same losses, bit for bit
     out = tmp_path / "run"
     run(out, "--num-workers", "2", "--stop-after", "5", cache=ref_out / "cache")
-    assert saved(out)[0] == 4 and saved(out)[1]["consumed"] == 4 * BATCH
-    assert len(losses(out)) == 5  # step 5 is lost work
+    assert example_checkpoint(out)[0] == 4 and example_checkpoint(out)[1]["consumed"] == 4 * BATCH
+    assert len(example_losses(out)) == 5  # step 5 is lost work
     stdout = run(out, "--num-workers", "2", "--resume")
     assert "resumed at step 4" in stdout
-    assert losses(out) == ref
-    assert saved(out)[0] == STEPS
+    assert example_losses(out) == ref
+    assert example_checkpoint(out)[0] == STEPS
 
 
 def test_featurize_names_the_extra_without_soundfile(monkeypatch):

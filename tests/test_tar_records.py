@@ -10,7 +10,6 @@ import hashlib
 import io
 import json
 import shutil
-import subprocess
 import tarfile
 
 import numpy as np
@@ -18,7 +17,7 @@ import pytest
 import webdataset as wds
 
 import torchcache as tc
-from conftest import DATA, paragraphs, python_with_hooks, tree_bytes
+from conftest import DATA, killed_build_resumes_to_the_same_bytes, paragraphs, tree_bytes
 
 SPEECH = DATA / "speech-sample.tar"
 SPEECH_KEYS = ["utt00000", "utt00001", "utt00002", "utt00004"]
@@ -202,18 +201,7 @@ def test_a_tar_pipeline_killed_mid_build_resumes_to_the_same_bytes(tmp_path, boo
                       [{"__key__": f"doc{i:05d}", "txt": text, "json": {"n": i}}
                        for i, text in enumerate(docs[k::2])]) for k in range(2)]
 
-    def run(out, **hooks):
-        command = python_with_hooks(KILLED_SCRIPT, json.dumps(tars), gpt2_tokenizer_path, str(out),
-                                    **hooks)
-        return subprocess.run(command, capture_output=True, text=True, timeout=300)
-
-    whole = run(tmp_path / "whole")
-    assert whole.returncode == 0, whole.stderr
-    killed = run(tmp_path / "killed", kill_after_commits=3)
-    assert killed.returncode == -9
-    resumed = run(tmp_path / "killed")
-    assert resumed.returncode == 0, resumed.stderr
-    assert tree_bytes(str(tmp_path / "killed")) == tree_bytes(str(tmp_path / "whole"))
+    killed_build_resumes_to_the_same_bytes(KILLED_SCRIPT, json.dumps(tars), gpt2_tokenizer_path, root=tmp_path)
     cache = tc.TokenCache(tmp_path / "whole")
     assert cache.num_blocks > 3 and cache.skipped.get("filtered", 0) > 0
     for d in range(0, cache.num_documents, 9):

@@ -23,6 +23,7 @@ import torch
 import torch.distributed as dist
 
 import torchcache as tc
+from conftest import example_checkpoint, example_losses
 
 SCRIPT = Path(__file__).resolve().parent.parent / "examples" / "train_gpt.py"
 SEQ, BATCH, STEPS, SAVE = 32, 4, 12, 4
@@ -49,29 +50,18 @@ def train(out: Path, corpus: str, *extra: str, cache: Path | None = None,
     return proc.stdout
 
 
-def losses(out: Path) -> dict[int, float]:
-    rows = [json.loads(line) for line in (out / "losses.jsonl").read_text().splitlines()]
-    assert [r["step"] for r in rows] == list(range(1, len(rows) + 1))
-    return {r["step"]: r["loss"] for r in rows}
-
-
-def saved(out: Path) -> tuple[int, dict]:
-    ckpt = torch.load(out / "checkpoint.pt", weights_only=True)
-    return ckpt["step"], json.loads(ckpt["loader"])
-
-
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory, corpus) -> tuple[dict[int, float], Path]:
     """The uninterrupted run (no workers): 12 steps, checkpoints at 4, 8 and 12 -> (losses, cache)."""
     out = tmp_path_factory.mktemp("reference")
     stdout = train(out, corpus, "--steps", str(STEPS), "--num-workers", "0")
-    ref = losses(out)
+    ref = example_losses(out)
     assert len(ref) == STEPS
     printed = [line.split() for line in stdout.splitlines() if line.startswith("step ")]
     assert [(int(p[1]), float(p[3])) for p in printed] == [(s, round(x, 6)) for s, x in ref.items()]
     n = len(tc.TokenDataset(out / "cache", SEQ))
     assert 7 * BATCH <= n < STEPS * BATCH, "the resumes must cross a loader-epoch boundary"
-    step, state = saved(out)  # one short batch (n % BATCH samples) ended loader epoch 0
+    step, state = example_checkpoint(out)  # one short batch (n % BATCH samples) ended loader epoch 0
     assert (step, state["consumed"]) == (STEPS, STEPS * BATCH - (-n % BATCH))
     return ref, out / "cache"
 
@@ -82,17 +72,17 @@ def test_stop_and_resume_gives_identical_losses(tmp_path, corpus, reference, wor
     ref, cache = reference
     out = tmp_path / "run"
     train(out, corpus, "--steps", str(STEPS), "--num-workers", str(workers), "--stop-after", "6", cache=cache)
-    assert saved(out)[0] == SAVE and saved(out)[1]["consumed"] == SAVE * BATCH
-    assert len(losses(out)) == 6  # steps 5 and 6 are lost work
+    assert example_checkpoint(out)[0] == SAVE and example_checkpoint(out)[1]["consumed"] == SAVE * BATCH
+    assert len(example_losses(out)) == 6  # steps 5 and 6 are lost work
     if workers:  # the same checkpoint, resumed without workers
         shutil.copytree(out, tmp_path / "no_workers")
         stdout = train(tmp_path / "no_workers", corpus, "--steps", str(STEPS), "--resume",
                        "--num-workers", "0")
         assert f"resumed at step {SAVE}" in stdout
-        assert losses(tmp_path / "no_workers") == ref
+        assert example_losses(tmp_path / "no_workers") == ref
     train(out, corpus, "--steps", str(STEPS), "--resume", "--num-workers", str(workers))
-    assert losses(out) == ref  # steps 1-4 of the first process, 5-12 of the resumed one
-    assert saved(out)[0] == STEPS
+    assert example_losses(out) == ref  # steps 1-4 of the first process, 5-12 of the resumed one
+    assert example_checkpoint(out)[0] == STEPS
 
 
 @slow
@@ -104,15 +94,15 @@ def test_torchrun_two_processes_then_resume_on_one(tmp_path, corpus, reference):
     stdout = train(out, corpus, "--steps", "4", "--save-every", "2", cache=cache, launcher=torchrun)
     printed = [line.split()[1] for line in stdout.splitlines() if line.startswith("step ")]
     assert printed == ["1", "2", "3", "4"]
-    step, state = saved(out)
+    step, state = example_checkpoint(out)
     assert (step, state["consumed"], state["world_size"]) == (4, 4 * BATCH, 2)
 
     stdout = train(out, corpus, "--steps", "7", "--resume")
     assert "resumed at step 4, 16 samples consumed" in stdout
-    step, state = saved(out)
+    step, state = example_checkpoint(out)
     assert (step, state["consumed"], state["world_size"]) == (7, 7 * BATCH, 1)
     # the same global batches as the one-process run: losses agree up to float reduction order
-    got = losses(out)
+    got = example_losses(out)
     assert list(got) == list(range(1, 8))
     assert got == pytest.approx({s: ref[s] for s in got}, rel=1e-3)
 
@@ -132,22 +122,22 @@ def pack_corpus(tmp_path_factory, books) -> str:
 def test_pack_stop_and_resume_gives_identical_losses(tmp_path, pack_corpus):
     ref_out = tmp_path / "reference"
     train(ref_out, pack_corpus, "--pack", "--steps", str(STEPS), "--num-workers", "0")
-    ref = losses(ref_out)
+    ref = example_losses(ref_out)
     assert len(ref) == STEPS
     ds = tc.PackedDataset(ref_out / "cache", SEQ)  # the plan the run stored in its cache
     assert 7 * BATCH <= len(ds) < STEPS * BATCH, "the resumes must cross a loader-epoch boundary"
     assert ds.get_batch(range(len(ds)))["num_segments"].float().mean() > 1.5  # mostly 2-3 documents a row
-    step, state = saved(ref_out)  # one short batch (len(ds) % BATCH rows) ended loader epoch 0
+    step, state = example_checkpoint(ref_out)  # one short batch (len(ds) % BATCH rows) ended loader epoch 0
     assert (step, state["consumed"]) == (STEPS, STEPS * BATCH - (-len(ds) % BATCH))
 
     out = tmp_path / "run"  # stopped with 2 workers (compact transfer), resumed without
     train(out, pack_corpus, "--pack", "--steps", str(STEPS), "--num-workers", "2", "--stop-after", "6",
           cache=ref_out / "cache")
-    assert saved(out)[0] == SAVE and saved(out)[1]["consumed"] == SAVE * BATCH
+    assert example_checkpoint(out)[0] == SAVE and example_checkpoint(out)[1]["consumed"] == SAVE * BATCH
     stdout = train(out, pack_corpus, "--pack", "--steps", str(STEPS), "--resume", "--num-workers", "0")
     assert f"resumed at step {SAVE}" in stdout
-    assert losses(out) == ref
-    assert saved(out)[0] == STEPS
+    assert example_losses(out) == ref
+    assert example_checkpoint(out)[0] == STEPS
 
 
 def load_example():
