@@ -351,6 +351,7 @@ class TokenCache:
         self._docs_cache: LRUCache[BlockDocuments] = LRUCache(_MAX_CACHED_DOCS)
         self._arrays_cache: LRUCache[BlockArrays] = LRUCache(_MAX_CACHED_DOCS)
         self._runs_cache: LRUCache[tuple] = LRUCache(_MAX_CACHED_DOCS)  # (record runs or None,)
+        self._input_docs: tuple[int, np.ndarray, np.ndarray] | None = None  # see _input_documents
         self._trained = TrainedRuns()  # the mask runs of the blocks read so far
         self._verified: set[str] = set()
         self._init_process_state()
@@ -502,6 +503,7 @@ class TokenCache:
         for name in ("_lock", "_open", "_doomed", "_tokenizer", "_ref", "_maps"):
             del state[name]
         state["_verified"] = set()  # (the LRU caches pickle empty)
+        state["_input_docs"] = None  # (made again where needed)
         return state
 
     def __setstate__(self, state: dict[str, Any]) -> None:
@@ -1141,16 +1143,32 @@ class TokenCache:
                 past_the_input(f"{self.url}/{self._table.offsets_path(b)}", info["record"], count,
                                info["input"])
             else:
-                ours = self._table.records["input"] == k  # the input's blocks
-                counts = self._table.records["num_documents"]
-                before = int(counts[:b][ours[:b]].sum())
-                if derived_records_hold(self._state.head, k, int(counts[ours].sum())):
-                    info["record"] = before + local
+                before, totals = self._input_documents()
+                if derived_records_hold(self._state.head, k, int(totals[k])):
+                    info["record"] = int(before[b]) + local
                     past_the_input(f"{self.url}/head.json", info["record"], count, info["input"])
         key = self.document_key(i)
         if key is not None:
             info["key"] = key
         return info
+
+    def _input_documents(self) -> tuple[np.ndarray, np.ndarray]:
+        """Per block, the documents of its input's earlier blocks, and per input its committed
+        documents: made once per count of committed blocks (O(blocks)), so document_info costs
+        O(1) on a cache of any size."""
+        n = len(self._table.records)
+        if self._input_docs is None or self._input_docs[0] != n:
+            inputs = self._table.records["input"].astype(np.int64)
+            counts = self._table.records["num_documents"].astype(np.int64)
+            order = np.argsort(inputs, kind="stable")  # each input's blocks, in stream order
+            exclusive = np.cumsum(counts[order]) - counts[order]
+            first = np.searchsorted(inputs[order], inputs[order])  # its input's first block
+            before = np.empty(n, dtype=np.int64)
+            before[order] = exclusive - exclusive[first]
+            totals = np.zeros(len(self.spec["inputs"]), dtype=np.int64)
+            np.add.at(totals, inputs, counts)
+            self._input_docs = (n, before, totals)
+        return self._input_docs[1], self._input_docs[2]
 
     @_locked
     def _load_record_runs(self, b: int) -> np.ndarray | None:
