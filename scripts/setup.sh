@@ -8,7 +8,7 @@
 #                   braceexpand, tqdm). No test tools, no Ray, no S3, no Arrow.
 #   test            main plus the test extras `.[test]` (pytest, pytest-xdist, hypothesis, psutil,
 #                   webdataset, zstandard, pyarrow, torchdata, s3fs, moto, ray, accelerate,
-#                   transformers, lightning, soundfile), for
+#                   transformers, lightning, soundfile, tiktoken, sentencepiece), for
 #                   scripts/test.sh and CI.
 #
 # Re-running is cheap: it installs only when an import of that set fails.
@@ -22,7 +22,7 @@ case "$WHAT" in
         IMPORTS="torchcache, torch, numpy, tokenizers, safetensors, fsspec, braceexpand, tqdm" ;;
     test)
         TARGET="-e .[test]"
-        IMPORTS="torchcache, torch, numpy, tokenizers, safetensors, fsspec, braceexpand, tqdm, webdataset, pytest, xdist, hypothesis, psutil, zstandard, pyarrow, torchdata, s3fs, moto, ray, accelerate, transformers, lightning, soundfile" ;;
+        IMPORTS="torchcache, torch, numpy, tokenizers, safetensors, fsspec, braceexpand, tqdm, webdataset, pytest, xdist, hypothesis, psutil, zstandard, pyarrow, torchdata, s3fs, moto, ray, accelerate, transformers, lightning, soundfile, tiktoken, sentencepiece" ;;
     *)
         echo "usage: bash scripts/setup.sh [main|test]" >&2
         exit 2 ;;

@@ -12,6 +12,8 @@ from .builder.handle import BuildHandle
 from .builder.repair import RepairResult, repair_cache
 from .builder.verify import Problem, check_cache, verify_cache
 from .errors import BuildError, CacheFormatError, InputChangedError, InputError
+from .format.sentencepiece_backend import sentencepiece_tokenizer
+from .format.tiktoken_backend import tiktoken_tokenizer
 from .read.cache import TokenCache
 
 __version__ = "0.1.0"
@@ -40,8 +42,8 @@ __all__ = [
     "DistributedSampler", "DocumentDataset", "InputChangedError", "InputError", "MixtureDataset",
     "MixtureSchedule", "PackedDataset", "Problem", "RecipeError", "RecipePlan", "RepairResult",
     "TokenCache", "TokenDataset", "build_cache", "check_cache", "convert_webdataset", "load_recipe",
-    "packed_collate", "pad_collate", "plan_recipe", "repair_cache", "source", "trace_step",
-    "verify_cache",
+    "packed_collate", "pad_collate", "plan_recipe", "repair_cache", "sentencepiece_tokenizer",
+    "source", "tiktoken_tokenizer", "trace_step", "verify_cache",
 ]
 
 

@@ -35,6 +35,7 @@ from jinja2 import nodes
 from jinja2.exceptions import SecurityError, TemplateError, TemplateSyntaxError
 
 from ..format.model_folder import model_file_path
+from ..format.tokenizer_backends import TokenizerBackend
 from .records import BadRecord
 from .template_limits import (BoundedSandbox, RecordLimits, RenderLimitExceeded, bound_filters,
                               budget, instrument)
@@ -548,8 +549,13 @@ def split_role_markers(template: ChatTemplate, tokenizer: Any) -> list[str]:
     them, a token can span the end of a turn and what follows, so the turn's edge is not a token
     edge. A marker that starts with one of the tokenizer's added tokens is that token; else it is
     cut where an added token starts."""
-    added = sorted((t.content for t in tokenizer.get_added_tokens_decoder().values()), key=len,
-                   reverse=True)
+    if isinstance(tokenizer, TokenizerBackend):  # tiktoken, SentencePiece
+        added = sorted(tokenizer.special_tokens(), key=len, reverse=True)
+        count = lambda piece: len(tokenizer.encode(piece))  # noqa: E731
+    else:
+        added = sorted((t.content for t in tokenizer.get_added_tokens_decoder().values()), key=len,
+                       reverse=True)
+        count = lambda piece: len(tokenizer.encode(piece, add_special_tokens=False).ids)  # noqa: E731
     split = []
     for marker in role_markers(template):
         first = next((t for t in added if t and marker.startswith(t)), None)
@@ -557,7 +563,7 @@ def split_role_markers(template: ChatTemplate, tokenizer: Any) -> list[str]:
             continue  # an added token: always one token
         cut = min([marker.find(t) for t in added if t and t in marker] or [len(marker)])
         piece = marker[:cut]
-        if piece and len(tokenizer.encode(piece, add_special_tokens=False).ids) != 1:
+        if piece and count(piece) != 1:
             split.append(piece)
     return split
 

@@ -362,7 +362,8 @@ def _nothing_committed(manifest: dict[str, Any]) -> bool:
 def _start_over(storage: Storage) -> None:
     """Remove a cache that committed nothing (a first build that failed), manifest last."""
     clean_leftovers(storage, None)
-    storage.delete(fmt.TOKENIZER_NAME)
+    for name in fmt.TOKENIZER_NAMES:  # tokenizer.json, or a tiktoken or SentencePiece file
+        storage.delete(name)
     for folder in (ledger.INDEX_DIR, ledger.LOG_DIR):
         for name in storage.listdir(folder):
             if _OWN_CHUNK.fullmatch(name):

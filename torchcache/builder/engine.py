@@ -29,6 +29,7 @@ from .records import ITERABLE_PATH, InputSource
 from ..format.storage import LocalStorage, Storage, open_storage
 from ..read.cache import TokenCache
 from ..format.tokenizer import TokenizerLike, canonical_json, fingerprint_of_json, load_tokenizer
+from ..format.tokenizer_backends import TokenizerBackend
 from .tokenizing import special_token_id
 from .chat import ChatTemplate, load_chat_template, split_role_markers
 from ..format.arrays import parse_declarations
@@ -118,15 +119,18 @@ def run_build(inputs: Any, output: str | os.PathLike, tokenizer: TokenizerLike |
         if vocab_size is not None:
             raise ValueError("vocab_size comes from the tokenizer; pass it only without one")
         tok = load_tokenizer(tokenizer)
-        vocab_size = tok.get_vocab_size(with_added_tokens=True)
+        if isinstance(tok, TokenizerBackend):  # tiktoken, SentencePiece: their files travel
+            vocab_size, tokenizer_json, tokenizer_spec = tok.vocab_size, tok, tok.spec()
+        else:
+            vocab_size = tok.get_vocab_size(with_added_tokens=True)
+            tokenizer_json = canonical_json(tok)  # (made once: a large tokenizer takes ~0.2 s)
+            tokenizer_spec = {"fingerprint": fingerprint_of_json(tokenizer_json)}
         dtype = fmt.token_dtype(vocab_size)
-        tokenizer_json = canonical_json(tok)  # (made once: a large tokenizer takes ~0.2 s)
-        tokenizer_spec = {"fingerprint": fingerprint_of_json(tokenizer_json)}
         bos_id, eos_id = special_token_id(tok, bos, "bos"), special_token_id(tok, eos, "eos")
     template = None
     if input_format == "messages":
-        template = load_chat_template(tokenizer if isinstance(tokenizer, (str, os.PathLike)) else None,
-                                      chat_template)
+        beside = isinstance(tokenizer, (str, os.PathLike)) and not str(tokenizer).startswith("tiktoken:")
+        template = load_chat_template(tokenizer if beside else None, chat_template)
         _warn_split_markers(template, tok)
     documents = documents_spec(input_format, keep_fields, template, train_on,
                                parse_declarations(arrays) if arrays else None)
@@ -175,8 +179,7 @@ def run_build(inputs: Any, output: str | os.PathLike, tokenizer: TokenizerLike |
         if existing is not None and existing["complete"]:
             if restamped and existing["version"] >= 2:  # checked unchanged: cheap next time
                 record_stamps(storage, existing["fingerprint"], restamped)
-            if tok is not None and not storage.exists(fmt.TOKENIZER_NAME):
-                storage.write(fmt.TOKENIZER_NAME, [tok.to_str().encode()])
+            _store_tokenizer(storage, tok)
             _require_trained(storage, _summary(existing), spec, storage_options, template)
             return _result(storage, _summary(existing), started, 0, allow_empty,
                            already_complete=True)
@@ -187,8 +190,7 @@ def run_build(inputs: Any, output: str | os.PathLike, tokenizer: TokenizerLike |
             state.progress[i]["stamp"] = stamp
         if existing is None:
             state.save()  # an empty first commit
-        if tok is not None and not storage.exists(fmt.TOKENIZER_NAME):
-            storage.write(fmt.TOKENIZER_NAME, [tok.to_str().encode()])
+        _store_tokenizer(storage, tok)
         todo = [i for i, p in enumerate(state.progress) if not p["done"]]
         starts = {i: dict(state.progress[i]) for i in todo}
         bar = _ProgressBar(spec["inputs"], state, enabled=progress)
@@ -216,6 +218,18 @@ def run_build(inputs: Any, output: str | os.PathLike, tokenizer: TokenizerLike |
         lock.release()
         if undone:
             remove_created_folder(storage, before)
+
+
+def _store_tokenizer(storage: Storage, tok: Any) -> None:
+    """The cache's copy of its tokenizer, unless there: tokenizer.json, or a tiktoken or
+    SentencePiece backend's own files."""
+    if tok is None:
+        return
+    files = tok.files if isinstance(tok, TokenizerBackend) else \
+        {fmt.TOKENIZER_NAME: None}  # (tokenizer.json's text is made only when missing)
+    for name, data in files.items():
+        if not storage.exists(name):
+            storage.write(name, [data if data is not None else tok.to_str().encode()])
 
 
 def _check_iterable(storage: Storage, existing: dict[str, Any], items: Any, objects: bool) -> None:
@@ -253,7 +267,7 @@ def _check_finished_inputs(storage: Storage, existing: dict[str, Any], sources: 
             continue  # a cache made before digests were recorded: nothing to compare with
         whole = job.reads_whole_records
         records = iter_records(source, None if whole else job.text_key, 0, "skip",
-                               job.storage_options, tokens=job.tokenizer_json is None and not whole)
+                               job.storage_options, tokens=not job.has_tokenizer and not whole)
         if content_identity(records) != (recorded["records"], recorded.get("digest")):
             raise InputChangedError(_changed_message(storage, source, existing["complete"]))
         if source.stamp is not None:

@@ -30,6 +30,7 @@ from .inputs import resolve_inputs
 from .records import ITERABLE_PATH, InputSource
 from ..format.storage import LocalStorage, Storage, open_storage
 from ..format.tokenizer import cache_tokenizer, canonical_json
+from ..format.tokenizer_backends import cache_backend, stored_file_names
 from .verify import check_cache
 from .worker import BlockWritten, BuildJob, InputDone, build_input
 
@@ -198,7 +199,17 @@ def _job_for(storage: Storage, manifest: dict[str, Any],
     """The build job the manifest's spec describes (with the tokenizer stored in the cache)."""
     spec = manifest["spec"]
     tokenizer_json = None
-    if spec["tokenizer"] is not None:
+    if spec["tokenizer"] is not None and "kind" in spec["tokenizer"]:  # tiktoken, SentencePiece
+        try:
+            files = {name: fmt.read_capped_file(storage, name, fmt.MAX_TOKENIZER_BYTES)
+                     for name in stored_file_names(spec["tokenizer"])}
+            tokenizer_json = cache_backend(spec["tokenizer"], files,
+                                           lambda name: f"{storage.url}/{name}")
+        except (OSError, ValueError) as e:
+            raise BuildError(f"{storage.url}: cannot rebuild blocks without the cache's "
+                             f"{spec['tokenizer']['kind']} tokenizer ({e}); rebuild the cache into "
+                             "a new directory") from None
+    elif spec["tokenizer"] is not None:
         where = f"{storage.url}/{fmt.TOKENIZER_NAME}"
         try:
             tok = cache_tokenizer(fmt.read_capped_file(storage, fmt.TOKENIZER_NAME,

@@ -11,6 +11,7 @@ import numpy as np
 from tokenizers import Tokenizer
 
 from ..format.tokenizer import tokenizer_from_json
+from ..format.tokenizer_backends import TokenizerBackend
 from .chat import trained_token_mask
 
 _EOS_CANDIDATES = ("<|endoftext|>", "</s>", "<eos>", "<|end_of_text|>", "<|eot_id|>", "[SEP]")
@@ -20,6 +21,11 @@ _EOS_CANDIDATES = ("<|endoftext|>", "</s>", "<eos>", "<|end_of_text|>", "<|eot_i
 # every cut an encoder makes is also checked by the tokenizer itself (DocumentEncoder.pieces).
 _SAFE_CUT = re.compile(r"(?<=\n)(?=\n\S)")
 _PIECE_CHARS = 16_384
+# A sample with blank lines before words, digits, punctuation, indents and accents: a backend's
+# candidate cut patterns are tried on it, and the one it proves most often is used
+_PROBE = ("It was the best of times.\n\nIt was the worst of times, 1999.\n\n\"Quoted,\" she "
+          "said.\n\n  Indented line.\n\n42 items.\n\nÉté à Paris.\n\nThe end of it.\n\n"
+          "- a list\n\nAnother paragraph here.\n\nLast words.")
 _CHECK_CHARS = 64  # characters on each side of a cut that the tokenizer encodes to prove it
 
 
@@ -45,7 +51,8 @@ def special_token_id(tok: Tokenizer, token: int | str | None, role: str) -> int 
     if not isinstance(token, (int, np.integer)):
         raise TypeError(f"{role} must be a token id (int), a token string, None or 'auto', "
                         f"not {token!r}")
-    vocab = tok.get_vocab_size(with_added_tokens=True)
+    vocab = tok.vocab_size if isinstance(tok, TokenizerBackend) else \
+        tok.get_vocab_size(with_added_tokens=True)
     if not 0 <= int(token) < vocab:
         raise ValueError(f"{role}={token} is outside the vocabulary (size {vocab})")
     return int(token)
@@ -110,9 +117,14 @@ class DocumentEncoder:
     cannot inject a boundary or control token.
     """
 
-    def __init__(self, tokenizer_json: str, *, bos_id: int | None, eos_id: int | None,
-                 dtype: np.dtype, special_tokens_as_text: bool = True, cut: bool | None = None,
-                 piece_chars: int = _PIECE_CHARS):
+    def __init__(self, tokenizer_json: str | TokenizerBackend, *, bos_id: int | None,
+                 eos_id: int | None, dtype: np.dtype, special_tokens_as_text: bool = True,
+                 cut: bool | None = None, piece_chars: int = _PIECE_CHARS):
+        self.backend: TokenizerBackend | None = None
+        if isinstance(tokenizer_json, TokenizerBackend):  # tiktoken, SentencePiece
+            self._init_backend(tokenizer_json, bos_id, eos_id, dtype, special_tokens_as_text,
+                               cut, piece_chars)
+            return
         self.tok = tokenizer_from_json(untrimmed_offsets(tokenizer_json))
         self.tok.encode_special_tokens = special_tokens_as_text
         self.bos_id, self.eos_id, self.dtype = bos_id, eos_id, np.dtype(dtype)
@@ -124,6 +136,35 @@ class DocumentEncoder:
         self._check_chars = max(_CHECK_CHARS, 2 * longest + 2)
         self._token_bytes: np.ndarray | None = None  # made at the first encode_trained
         self._token_bytes_known = False
+
+    def _init_backend(self, backend: TokenizerBackend, bos_id: int | None, eos_id: int | None,
+                      dtype: np.dtype, as_text: bool, cut: bool | None, piece_chars: int) -> None:
+        """A tiktoken or SentencePiece backend: its library encodes; long texts are cut at the
+        backend's candidate cuts that the backend itself proves (a pattern is chosen once, the
+        one whose cuts of a sample text it proves most often; none: texts are not cut)."""
+        self.tok, self.backend, self.as_text = None, backend, as_text
+        self.bos_id, self.eos_id, self.dtype = bos_id, eos_id, np.dtype(dtype)
+        self.piece_chars = piece_chars
+        self._check_chars = backend.check_chars
+        self._token_bytes, self._token_bytes_known = backend.token_byte_lengths(), True
+        self._candidates = _SAFE_CUT
+        self.cut = cut is not False
+        if self.cut:
+            best, proven = None, 0
+            for pattern in backend.cut_candidates():
+                offered = [m.start() for m in pattern.finditer(_PROBE)]
+                kept = len(self.proven_cuts([_PROBE], [offered])[0])
+                if kept > proven:
+                    best, proven = pattern, kept
+            self.cut = best is not None
+            self._candidates = best if best is not None else _SAFE_CUT
+
+    def _ids(self, texts: Sequence[str]) -> list[list[int]]:
+        """Each text's ids (no BOS/EOS), as lists: what a cut's proof compares."""
+        if self.backend is not None:
+            return [ids.tolist() for ids in self.backend.encode_batch(texts, self.as_text)]
+        encode = getattr(self.tok, "encode_batch_fast", self.tok.encode_batch)
+        return [e.ids for e in encode(texts, add_special_tokens=False)]
 
     def pieces(self, texts: Sequence[str]) -> tuple[list[str], list[int]]:
         """The texts cut into pieces to encode in parallel, and each text's piece count.
@@ -152,8 +193,7 @@ class DocumentEncoder:
             for c in points:
                 a, b = max(0, c - width), min(len(text), c + width)
                 checks.extend((text[a:b], text[a:c], text[c:b]))
-        encode = getattr(self.tok, "encode_batch_fast", self.tok.encode_batch)
-        ids = iter([e.ids for e in encode(checks, add_special_tokens=False)])
+        ids = iter(self._ids(checks))
         proven = []
         for points in cuts:
             kept = []
@@ -167,6 +207,8 @@ class DocumentEncoder:
     def encode_with_offsets(self, texts: Sequence[str]) -> list[tuple[list[int], np.ndarray]]:
         """Each text's ids (no BOS/EOS) and their (start, end) character offsets in the text."""
         pieces, counts = self.pieces(texts)
+        if self.backend is not None:
+            return self._backend_offsets(pieces, counts)
         encodings = self.tok.encode_batch(pieces, add_special_tokens=False)
         out, i = [], 0
         for n in counts:
@@ -179,6 +221,31 @@ class DocumentEncoder:
                 offsets.append(pairs + shift)
                 shift += len(piece)
             out.append((ids, np.concatenate(offsets) if offsets else np.zeros((0, 2), np.int64)))
+            i += n
+        return out
+
+    def _backend_offsets(self, pieces: list[str], counts: list[int]
+                         ) -> list[tuple[list[int], np.ndarray]]:
+        encoded = self.backend.encode_offsets_batch(pieces, self.as_text)
+        out, i = [], 0
+        for n in counts:
+            ids, offsets, shift = [], [np.zeros((0, 2), np.int64)], 0
+            for piece, (piece_ids, piece_offsets) in zip(pieces[i:i + n], encoded[i:i + n]):
+                ids.extend(piece_ids.tolist())
+                offsets.append(piece_offsets + shift)
+                shift += len(piece)
+            out.append((ids, np.concatenate(offsets)))
+            i += n
+        return out
+
+    def _backend_ids(self, pieces: list[str], counts: list[int]) -> list[np.ndarray]:
+        """Each text's ids (int64), joined from its pieces' ids."""
+        encoded = self.backend.encode_batch(pieces, self.as_text)
+        out, i = [], 0
+        for n in counts:
+            parts = encoded[i:i + n]
+            out.append(parts[0].astype(np.int64) if n == 1 else
+                       np.concatenate(parts).astype(np.int64))
             i += n
         return out
 
@@ -199,12 +266,18 @@ class DocumentEncoder:
             return [(np.asarray(ids, dtype=np.int64), trained_token_mask(offsets, text_spans))
                     for (ids, offsets), text_spans in zip(self.encode_with_offsets(texts), spans)]
         pieces, counts = self.pieces(texts)
-        encodings = self.tok.encode_batch_fast(pieces, add_special_tokens=False)
+        if self.backend is not None:
+            joined = iter(self._backend_ids(pieces, counts))
+        else:
+            encodings = self.tok.encode_batch_fast(pieces, add_special_tokens=False)
         out: list[Any] = []
         again, i = [], 0
         for k, (text, n) in enumerate(zip(texts, counts)):
-            ids = np.fromiter(itertools.chain.from_iterable(e.ids for e in encodings[i:i + n]),
-                              dtype=np.int64)
+            if self.backend is not None:
+                ids = next(joined)
+            else:
+                ids = np.fromiter(itertools.chain.from_iterable(e.ids for e in encodings[i:i + n]),
+                                  dtype=np.int64)
             i += n
             ends = np.cumsum(sizes[ids])
             if (int(ends[-1]) if len(ends) else 0) != len(text.encode("utf-8", "surrogatepass")):
@@ -219,6 +292,11 @@ class DocumentEncoder:
 
     def encode(self, texts: Sequence[str]) -> list[np.ndarray]:
         pieces, counts = self.pieces(texts)
+        if self.backend is not None:
+            head = np.asarray([] if self.bos_id is None else [self.bos_id], dtype=self.dtype)
+            tail = np.asarray([] if self.eos_id is None else [self.eos_id], dtype=self.dtype)
+            return [np.concatenate([head, ids.astype(self.dtype), tail])
+                    for ids in self._backend_ids(pieces, counts)]
         encodings = self.tok.encode_batch_fast(pieces, add_special_tokens=False) \
             if hasattr(self.tok, "encode_batch_fast") else \
             self.tok.encode_batch(pieces, add_special_tokens=False)

@@ -22,6 +22,7 @@ from ..format.provenance import last_record, past_the_input
 from ..errors import CacheFormatError
 from ..format.ledger import HEAD_NAME, INDEX_DIR, BlockTable, lost_head, read_manifest, stored_index
 from ..format.tokenizer import check_cache_tokenizer
+from ..format.tokenizer_backends import check_backend_files, stored_file_names
 
 __all__ = ["Problem", "check_cache", "verify_cache"]
 
@@ -118,6 +119,8 @@ def _check_tokenizer(source: CacheFiles, spec: dict[str, Any], committed: bool) 
     only before the first block is committed (the builder writes it before any block)."""
     if spec["tokenizer"] is None:
         return []
+    if "kind" in spec["tokenizer"]:  # tiktoken, SentencePiece: each of the backend's own files
+        return _check_backend_files(source, spec["tokenizer"], committed)
     rel, expected = fmt.TOKENIZER_NAME, spec["tokenizer"]["fingerprint"]
     where = f"{source.url}/{rel}"
     try:
@@ -129,6 +132,32 @@ def _check_tokenizer(source: CacheFiles, spec: dict[str, Any], committed: bool) 
         return [Problem(f"{where}: missing; restore the tokenizer.json the cache was built with "
                         f"(fingerprint {expected})", None, rel)]
     except CacheFormatError as e:
+        return [Problem(str(e), None, rel)]
+    return []
+
+
+def _check_backend_files(source: CacheFiles, tokenizer: dict[str, Any],
+                         committed: bool) -> list[Problem]:
+    """A tiktoken or SentencePiece tokenizer's files: each must be the one the spec hashes."""
+    try:
+        names = stored_file_names(tokenizer)
+    except CacheFormatError as e:
+        return [Problem(str(e), None, None)]
+    files = {}
+    for rel in names:
+        try:
+            files[rel] = fmt.read_capped_file(source.metadata, rel, fmt.MAX_TOKENIZER_BYTES)
+        except FileNotFoundError:
+            if not committed:
+                return []
+            return [Problem(f"{source.url}/{rel}: missing; restore the {rel} the cache was built "
+                            f"with (sha256 {tokenizer['files'][rel]})", None, rel)]
+        except CacheFormatError as e:
+            return [Problem(str(e), None, rel)]
+    try:
+        check_backend_files(tokenizer, files, lambda rel: f"{source.url}/{rel}")
+    except CacheFormatError as e:
+        rel = next((r for r in names if f"/{r}:" in str(e)), names[0])
         return [Problem(str(e), None, rel)]
     return []
 

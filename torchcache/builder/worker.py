@@ -24,6 +24,7 @@ from .chat import mask_runs
 from .formats import RecordShaper
 from .functions import unpack_function
 from ..format.arrays import arrays_name, write_arrays_file
+from ..format.tokenizer_backends import TokenizerBackend, backend_from_files
 from ..format.documents import write_docs_file
 from ..format.provenance import RUNS_TENSOR, needs_runs, runs_of
 
@@ -49,6 +50,14 @@ class BuildJob:
     documents: dict | None = None  # the spec's "documents" (format v3), None for plain text
     pipeline: tuple = ()  # a pipeline's steps: ("filter" | "map", packed function), in order
     template_name: str | None = None  # where the chat template came from, for messages
+    #: a tiktoken or SentencePiece tokenizer: (kind, its files), rebuilt in each worker (then
+    #: tokenizer_json is None); format.tokenizer_backends
+    tokenizer_files: tuple | None = None
+
+    @property
+    def has_tokenizer(self) -> bool:
+        """False when the inputs hold token ids already."""
+        return self.tokenizer_json is not None or self.tokenizer_files is not None
 
     @property
     def reads_whole_records(self) -> bool:
@@ -56,16 +65,20 @@ class BuildJob:
         return self.documents is not None or bool(self.pipeline)
 
     @classmethod
-    def for_spec(cls, output: Storage, spec: dict[str, Any], tokenizer_json: str | None,
+    def for_spec(cls, output: Storage, spec: dict[str, Any], tokenizer_json: str | Any | None,
                  on_error: str, storage_options: dict[str, Any] | None,
                  template_name: str | None = None, pipeline: tuple = ()) -> "BuildJob":
         """The job that makes the blocks of the cache `spec` describes (a new build's spec, or
-        the one a cache's manifest records, for repair), with the tokenizer `tokenizer_json`."""
+        the one a cache's manifest records, for repair), with the tokenizer `tokenizer_json` (a
+        Hugging Face tokenizer's JSON, or a tiktoken or SentencePiece backend)."""
+        files = None
+        if isinstance(tokenizer_json, TokenizerBackend):
+            tokenizer_json, files = None, tokenizer_json.payload()
         return cls(output, tokenizer_json, spec["bos_id"], spec["eos_id"],
                    str(fmt.DTYPES[spec["dtype"]]), spec["text_key"], spec["block_tokens"], on_error,
                    spec["special_tokens_as_text"], dict(storage_options or {}), spec["vocab_size"],
                    documents=spec.get("documents"), template_name=template_name,
-                   pipeline=tuple(pipeline))
+                   pipeline=tuple(pipeline), tokenizer_files=files)
 
 
 # ---------------------------------------------------------------- events a worker reports
@@ -167,7 +180,7 @@ def build_input(job: BuildJob, index: int, source: InputSource | Iterable[str],
     whole = job.reads_whole_records
     if isinstance(source, InputSource):
         stream = iter_records(source, None if whole else job.text_key, records, job.on_error,
-                              job.storage_options, tokens=job.tokenizer_json is None and not whole,
+                              job.storage_options, tokens=not job.has_tokenizer and not whole,
                               start_digest=digest)
     else:
         stream = iter_strings(source, records, job.on_error, start_digest=digest,
@@ -323,10 +336,12 @@ def _document_encoder(job: BuildJob) -> Callable[[list[tuple[Record, Any, Any]]]
         flags = np.concatenate([np.zeros(len(head), bool), trained, np.full(len(tail), last)])
         return _Encoded(out, flags)
 
-    if job.tokenizer_json is None:
+    if not job.has_tokenizer:
         return lambda batch: [wrap(r.tokens if s is None else s.ids, None if s is None else s.trained)
                               for r, _, s in batch]
-    encoder = DocumentEncoder(job.tokenizer_json, bos_id=job.bos_id, eos_id=job.eos_id,
+    tokenizer = job.tokenizer_json if job.tokenizer_files is None else \
+        backend_from_files(*job.tokenizer_files)
+    encoder = DocumentEncoder(tokenizer, bos_id=job.bos_id, eos_id=job.eos_id,
                               dtype=dtype, special_tokens_as_text=job.special_tokens_as_text)
 
     def encode(batch: list[tuple[Record, Any, Any]]) -> list[_Encoded]:

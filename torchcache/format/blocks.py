@@ -35,7 +35,11 @@ FORMAT_VERSION = 2  # the layout new builds write (v2: see ledger.py); v1 caches
 READABLE_VERSIONS = (1, 2, 3)  # v3: v2 plus a documents sidecar per block (documents.py)
 BLOCK_FILE_VERSION = "1"  # block, offsets and keys files are the same in v1 and v2
 TOKENIZER_NAME = "tokenizer.json"
-TOP_FILES = re.compile(r"(manifest|tokenizer|head)\.json")  # written whole at a cache's top
+#: every name a cache's tokenizer may be stored under (tiktoken's ranks and settings, a
+#: SentencePiece model: format.tiktoken_backend, format.sentencepiece_backend)
+TOKENIZER_NAMES = (TOKENIZER_NAME, "tokenizer.tiktoken", "tokenizer.tiktoken.json", "tokenizer.model")
+# written whole at a cache's top
+TOP_FILES = re.compile(r"(manifest|tokenizer|head)\.json|tokenizer\.(tiktoken|tiktoken\.json|model)")
 BLOCK_FILES = re.compile(r"\d{6}-\d{6}(\.offsets\.safetensors|\.docs\.safetensors"
                          r"|\.arrays\.safetensors|\.keys\.json|\.safetensors)")
 

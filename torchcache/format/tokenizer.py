@@ -12,12 +12,16 @@ from tokenizers import Tokenizer
 
 from ..errors import CacheFormatError
 from .model_folder import model_file_path
+from .tokenizer_backends import TokenizerBackend, other_backend
 
-TokenizerLike = Union[str, os.PathLike, Tokenizer]
+TokenizerLike = Union[str, os.PathLike, Tokenizer, TokenizerBackend]
 
 
-def load_tokenizer(tokenizer: TokenizerLike) -> Tokenizer:
-    """A private copy of the tokenizer with truncation and padding off (documents are never cut)."""
+def load_tokenizer(tokenizer: TokenizerLike) -> Tokenizer | TokenizerBackend:
+    """A private copy of the tokenizer with truncation and padding off (documents are never cut);
+    a tiktoken or SentencePiece tokenizer as its backend (format.tokenizer_backends)."""
+    if (backend := other_backend(tokenizer)) is not None:  # tiktoken, SentencePiece
+        return backend
     if isinstance(tokenizer, Tokenizer):
         return tokenizer_from_json(tokenizer.to_str())
     if not isinstance(tokenizer, (str, os.PathLike)):

@@ -55,6 +55,7 @@ from .trained_runs import TrainedRuns
 from .local_copies import STAT_FIELDS, STATS_DIR, SessionStats, parse_size, tree_bytes
 from .remote_reads import ArrayReads, BoundedReader, ReadOrder
 from ..format.tokenizer import cache_tokenizer
+from ..format.tokenizer_backends import TokenizerBackend, cache_backend, stored_file_names
 
 __all__ = ["RowPlan", "TokenCache", "gather_rows"]
 
@@ -1192,8 +1193,10 @@ class TokenCache:
 
     # ------------------------------------------------------------ tokenizer
     @_locked
-    def tokenizer(self) -> Tokenizer:
-        """The tokenizer the cache was built with (stored in the cache directory; loaded once).
+    def tokenizer(self) -> Tokenizer | TokenizerBackend:
+        """The tokenizer the cache was built with (stored in the cache directory; loaded once): a
+        ``tokenizers.Tokenizer``, or for a tiktoken or SentencePiece cache its backend (with
+        ``encode(text) -> ids`` and ``decode(ids)``; its library must be installed).
 
         >>> cache.tokenizer().encode("hello").ids  # doctest: +SKIP
         [31373]
@@ -1202,11 +1205,21 @@ class TokenCache:
             self._tokenizer = self._load_tokenizer()
         return self._tokenizer
 
-    def _load_tokenizer(self) -> Tokenizer:
+    def _load_tokenizer(self) -> Tokenizer | TokenizerBackend:
         if self.spec["tokenizer"] is None:
             raise ValueError(f"{self.url} was converted from pre-tokenized data and has no "
                              "tokenizer; read token ids instead (e.g. `torchcache show --ids`)")
-        path, fd = self._open_file(fmt.TOKENIZER_NAME, None)
+        if "kind" in self.spec["tokenizer"]:  # tiktoken, SentencePiece: the backend's own files
+            files, paths = {}, {}
+            for name in stored_file_names(self.spec["tokenizer"]):
+                paths[name], files[name] = self._read_tokenizer_file(name)
+            return cache_backend(self.spec["tokenizer"], files, paths.__getitem__)
+        path, data = self._read_tokenizer_file(fmt.TOKENIZER_NAME)
+        return cache_tokenizer(data, self.spec["tokenizer"]["fingerprint"], path)
+
+    def _read_tokenizer_file(self, name: str) -> tuple[str, bytes]:
+        """(path, bytes) of one of the cache's tokenizer files, capped in size."""
+        path, fd = self._open_file(name, None)
         try:
             size = os.fstat(fd).st_size
             if size > fmt.MAX_TOKENIZER_BYTES:
@@ -1215,7 +1228,7 @@ class TokenCache:
             data = fmt.read_exact(fd, 0, size, path)
         finally:
             os.close(fd)
-        return cache_tokenizer(data, self.spec["tokenizer"]["fingerprint"], path)
+        return path, data
 
     def decode(self, ids: Any, skip_special_tokens: bool = False) -> str:
         """Text of token ``ids`` (any sequence of ints: list, array, tensor), with the cache's tokenizer.
