@@ -30,7 +30,8 @@ from .inputs import resolve_inputs
 from .records import ITERABLE_PATH, InputSource
 from ..format.storage import LocalStorage, Storage, open_storage
 from ..format.tokenizer import cache_tokenizer, canonical_json
-from ..format.tokenizer_backends import cache_backend, stored_file_names
+from ..format.tokenizer_backends import stored_file_names
+from ..format.tokenizer_kinds import cache_backend
 from .verify import check_cache
 from .worker import BlockWritten, BuildJob, InputDone, build_input
 

@@ -24,7 +24,8 @@ from .chat import mask_runs
 from .formats import RecordShaper
 from .functions import unpack_function
 from ..format.arrays import arrays_name, write_arrays_file
-from ..format.tokenizer_backends import TokenizerBackend, backend_from_files
+from ..format.tokenizer_backends import TokenizerBackend
+from ..format.tokenizer_kinds import backend_from_files
 from ..format.documents import write_docs_file
 from ..format.provenance import RUNS_TENSOR, needs_runs, runs_of
 

@@ -183,8 +183,10 @@ def tiktoken_tokenizer(path: str | os.PathLike, pattern: str = "gpt2",
 
 
 def from_encoding(encoding: Any) -> TiktokenTokenizer:
-    """A ``tiktoken.Encoding``'s ranks, pattern and special tokens."""
-    return TiktokenTokenizer(encoding._mergeable_ranks, encoding._pat_str, encoding._special_tokens,
+    """A ``tiktoken.Encoding``'s ranks, pattern and special tokens (tiktoken has no public name
+    for its ranks and pattern; these two attributes are what its own constructor stores)."""
+    specials = {text: encoding.encode_single_token(text) for text in encoding.special_tokens_set}
+    return TiktokenTokenizer(encoding._mergeable_ranks, encoding._pat_str, specials,
                              f"tiktoken encoding {encoding.name!r}")
 
 

@@ -12,7 +12,8 @@ from tokenizers import Tokenizer
 
 from ..errors import CacheFormatError
 from .model_folder import model_file_path
-from .tokenizer_backends import TokenizerBackend, other_backend
+from .tokenizer_backends import TokenizerBackend
+from .tokenizer_kinds import other_backend
 
 TokenizerLike = Union[str, os.PathLike, Tokenizer, TokenizerBackend]
 

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 import re
 from typing import Any, Callable, Mapping, Sequence
 
@@ -130,23 +129,6 @@ def backend_fingerprint(kind: str, hashes: Mapping[str, str]) -> str:
     return "sha256:" + hashlib.sha256(canonical.encode()).hexdigest()
 
 
-def _loaders() -> dict[str, Callable[[dict[str, bytes]], TokenizerBackend]]:
-    from .sentencepiece_backend import SentencePieceTokenizer
-    from .tiktoken_backend import TiktokenTokenizer
-    return {"tiktoken": TiktokenTokenizer.from_files,
-            "sentencepiece": SentencePieceTokenizer.from_files}
-
-
-def backend_from_files(kind: str, files: Mapping[str, bytes] | Sequence[tuple[str, bytes]]
-                       ) -> TokenizerBackend:
-    """The backend `kind` made from its stored files."""
-    loaders = _loaders()
-    if kind not in loaders:
-        raise CacheFormatError(f"tokenizer kind {kind!r} is not one this torchcache knows "
-                               f"({', '.join(['hf', *loaders])}); upgrade torchcache")
-    return loaders[kind](dict(files))
-
-
 def stored_file_names(spec_tokenizer: dict[str, Any]) -> list[str]:
     """The files a cache keeps of its tokenizer, from the spec's "tokenizer" entry (new kinds)."""
     kind, files = spec_tokenizer.get("kind"), spec_tokenizer.get("files")
@@ -173,34 +155,3 @@ def check_backend_files(spec_tokenizer: dict[str, Any], files: Mapping[str, byte
     if backend_fingerprint(spec_tokenizer["kind"], expected) != spec_tokenizer["fingerprint"]:
         raise CacheFormatError(f"{where(sorted(expected)[0])}: spec.tokenizer's fingerprint does "
                                "not match its files' hashes; the manifest is damaged")
-
-
-def cache_backend(spec_tokenizer: dict[str, Any], files: Mapping[str, bytes],
-                  where: Callable[[str], str]) -> TokenizerBackend:
-    """The backend a cache stores, refused (CacheFormatError naming the file) unless every file is
-    the one the cache was built with."""
-    check_backend_files(spec_tokenizer, files, where)
-    return backend_from_files(spec_tokenizer["kind"], files)
-
-
-def other_backend(tokenizer: Any) -> TokenizerBackend | None:
-    """`tokenizer` as a tiktoken or SentencePiece backend when it is one (a backend, a
-    ``tiktoken.Encoding``, a ``tiktoken:PATH[:PATTERN]`` string, a ``.model`` path); None for
-    anything else (a Hugging Face tokenizer, or a mistake load_tokenizer reports)."""
-    from . import sentencepiece_backend, tiktoken_backend
-    if isinstance(tokenizer, TokenizerBackend):
-        return tokenizer
-    if tiktoken_backend.is_encoding(tokenizer):
-        return tiktoken_backend.from_encoding(tokenizer)
-    if not isinstance(tokenizer, (str, os.PathLike)):
-        return None
-    path = os.fspath(tokenizer)
-    if isinstance(path, str) and path.startswith("tiktoken:"):
-        return tiktoken_backend.from_spec(path)
-    if isinstance(path, str) and path.endswith(".tiktoken"):
-        raise ValueError(f"tokenizer {path!r}: a .tiktoken file needs its split pattern and "
-                         "special tokens: pass tc.tiktoken_tokenizer(path, pattern='gpt2' or a "
-                         "regex, special_tokens={...}), or 'tiktoken:PATH[:PATTERN]'")
-    if isinstance(path, str) and path.endswith(".model") and not os.path.isdir(path):
-        return sentencepiece_backend.sentencepiece_tokenizer(path)
-    return None

@@ -55,7 +55,8 @@ from .trained_runs import TrainedRuns
 from .local_copies import STAT_FIELDS, STATS_DIR, SessionStats, parse_size, tree_bytes
 from .remote_reads import ArrayReads, BoundedReader, ReadOrder
 from ..format.tokenizer import cache_tokenizer
-from ..format.tokenizer_backends import TokenizerBackend, cache_backend, stored_file_names
+from ..format.tokenizer_backends import TokenizerBackend, stored_file_names
+from ..format.tokenizer_kinds import cache_backend
 
 __all__ = ["RowPlan", "TokenCache", "gather_rows"]
 

@@ -1,0 +1,313 @@
+"""tiktoken and SentencePiece tokenizers: ids equal the library's own encode (and, for tiktoken's
+GPT-2 ranks, the GPT-2 tokenizer.json's), long texts cut only where the backend proves it, loss
+masks equal an oracle from the library's own token bytes or pieces, and a cache built with one
+reads, decodes, traces and verifies in a fresh process without the other libraries."""
+
+from __future__ import annotations
+
+import json
+import lzma
+import random
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+import torchcache as tc
+from torchcache.builder.tokenizing import DocumentEncoder
+from torchcache.format.tokenizer import load_tokenizer
+
+from conftest import DATA, paragraphs, write_jsonl
+
+tiktoken = pytest.importorskip("tiktoken")
+spm = pytest.importorskip("sentencepiece")
+
+
+@pytest.fixture(scope="module")
+def ranks_path(tmp_path_factory) -> str:
+    path = tmp_path_factory.mktemp("tiktoken") / "gpt2.tiktoken"
+    path.write_bytes(lzma.decompress((DATA / "gpt2.tiktoken.xz").read_bytes()))
+    return str(path)
+
+
+@pytest.fixture(scope="module")
+def gpt2_tiktoken(ranks_path):
+    return tc.tiktoken_tokenizer(ranks_path, special_tokens={"<|endoftext|>": 50256})
+
+
+@pytest.fixture(scope="module")
+def sp_models(tmp_path_factory, books) -> dict[str, str]:
+    """BPE and unigram models trained here by sentencepiece's own trainer on 300 K characters."""
+    folder = tmp_path_factory.mktemp("sentencepiece")
+    corpus = folder / "corpus.txt"
+    corpus.write_text("\n".join(b["text"] for b in books)[:300_000], encoding="utf-8")
+    models = {}
+    for kind in ("bpe", "unigram"):
+        spm.SentencePieceTrainer.train(input=str(corpus), model_prefix=str(folder / kind),
+                                       vocab_size=2000, model_type=kind, minloglevel=2,
+                                       num_threads=1)
+        models[kind] = str(folder / f"{kind}.model")
+    return models
+
+
+def _tricky(books, rng: random.Random) -> list[str]:
+    """Unicode, long whitespace runs, the end-of-text token written as text, and a text of more
+    than 100 K characters made of real paragraphs (so that it is cut)."""
+    parts = paragraphs(books)
+    long_text = ""
+    while len(long_text) < 120_000:
+        long_text += rng.choice(parts) + rng.choice(["\n\n", "\n\n\n", " \n\n", "\n\n  "])
+    return ["Été à Paris — naïve café 日本語のテキスト 🎉🎉 Ω≈ç√∫",
+            "word" + " " * 300 + "\n" * 50 + "\t\t end   \n\n\n",
+            "before <|endoftext|> after<|endoftext|>\n\n<|endoftext|>",
+            "\n\nleading blank lines and a lone surrogate? no: just é\u0301 combining",
+            long_text]
+
+
+def _encoder(backend, **options) -> DocumentEncoder:
+    return DocumentEncoder(backend, bos_id=None, eos_id=None, dtype=np.int64, **options)
+
+
+# ---------------------------------------------------------------- tiktoken
+
+def test_tiktoken_ids_equal_tiktoken_and_the_gpt2_tokenizer_json(gpt2_tiktoken, gpt2, books):
+    enc = gpt2_tiktoken.encoding
+    texts = [b["text"] for b in books] + _tricky(books, random.Random(1))
+    plain = json.loads(gpt2.to_str())
+    from tokenizers import Tokenizer
+    hf = Tokenizer.from_str(json.dumps(plain))
+    hf.encode_special_tokens = True  # "<|endoftext|>" in a text is text, as encode_ordinary takes it
+    for piece_chars in (300, 16_384):
+        encoder = _encoder(gpt2_tiktoken, piece_chars=piece_chars)
+        pieces, counts = encoder.pieces(texts)
+        assert "".join(pieces) == "".join(texts) and max(counts) >= 3  # long texts really are cut
+        for text, ids in zip(texts, encoder.encode(texts), strict=True):
+            assert ids.tolist() == enc.encode_ordinary(text)
+            assert ids.tolist() == hf.encode(text, add_special_tokens=False).ids
+        for text, (ids, offsets) in zip(texts, encoder.encode_with_offsets(texts), strict=True):
+            assert ids == enc.encode_ordinary(text)
+            assert offsets[0, 0] == 0 and offsets[-1, 1] == len(text)
+    # special tokens as tokens: tiktoken's encode with them allowed
+    encoder = _encoder(gpt2_tiktoken, special_tokens_as_text=False, piece_chars=300)
+    for text, ids in zip(texts, encoder.encode(texts), strict=True):
+        assert ids.tolist() == enc.encode(text, allowed_special="all")
+    assert encoder.encode([texts[-3]])[0].tolist().count(50256) == 3
+
+
+def test_a_tiktoken_encoding_is_taken_as_it_is(gpt2_tiktoken):
+    enc = tiktoken.Encoding("mine", pat_str=gpt2_tiktoken.pattern, mergeable_ranks=gpt2_tiktoken.ranks,
+                            special_tokens={"<|endoftext|>": 50256})
+    tok = load_tokenizer(enc)
+    assert tok.fingerprint == gpt2_tiktoken.fingerprint  # the same files, whatever the name
+
+
+def _byte_oracle(token_bytes: list[bytes], text: str, start_char: int) -> list[bool]:
+    """Trained flags from the tokens' own bytes: a token is trained when its bytes overlap the
+    completion's (from `start_char` on)."""
+    start = len(text[:start_char].encode("utf-8"))
+    out, at = [], 0
+    for b in token_bytes:
+        out.append(at + len(b) > start)
+        at += len(b)
+    return out
+
+
+def _prompt_completions(books) -> list[dict]:
+    rng = random.Random(3)
+    parts = paragraphs(books, 400)
+    records = [{"prompt": rng.choice(parts)[:200] + rng.choice([" ", "\n\n", "", "  "]),
+                "completion": rng.choice(parts)[:300]} for _ in range(60)]
+    records.append({"prompt": "Translate: été → ", "completion": "summer 夏 🎉"})
+    return records
+
+
+def test_tiktoken_prompt_completion_masks_equal_the_token_bytes_oracle(tmp_path, gpt2_tiktoken,
+                                                                       books):
+    records = _prompt_completions(books)
+    path = tmp_path / "pc.jsonl"
+    path.write_text("".join(json.dumps(r, ensure_ascii=False) + "\n" for r in records))
+    tc.build_cache(str(path), str(tmp_path / "cache"), gpt2_tiktoken,
+                   input_format="prompt_completion", num_workers=1, progress=False)
+    cache = tc.TokenCache(str(tmp_path / "cache"))
+    enc = gpt2_tiktoken.encoding
+    for i, r in enumerate(records):
+        text = r["prompt"] + r["completion"]
+        ids = enc.encode_ordinary(text)
+        assert cache.document(i).tolist() == ids + [50256]
+        mask = cache.document_loss_mask(i).tolist()
+        oracle = _byte_oracle(enc.decode_tokens_bytes(ids), text, len(r["prompt"]))
+        assert mask[:-1] == oracle and mask[-1] == oracle[-1]
+
+
+_READ_BACK = """
+import json, sys
+for blocked in sys.argv[2].split(","):
+    sys.modules[blocked] = None  # not installed, as far as this process knows
+import torchcache as tc
+from torchcache.cli import main
+cache = tc.TokenCache(sys.argv[1])
+def text_of(i):  # the document's record, where the cache says it comes from
+    info = cache.document_info(i)
+    with open(info["input"], encoding="utf-8") as f:
+        return json.loads(f.readlines()[info["record"]])["text"]
+texts = [text_of(i) for i in range(cache.num_documents)]
+assert cache.num_documents > 300
+tok = cache.tokenizer()
+assert type(tok).__name__ == sys.argv[3], type(tok)
+if sys.argv[3] == "SentencePieceTokenizer":  # its normalizer folds whitespace: its own round trip
+    import sentencepiece
+    sp = sentencepiece.SentencePieceProcessor(model_file=sys.argv[4])
+    expected = [sp.decode(sp.encode(text)) for text in texts]
+else:
+    expected = texts
+for i, text in enumerate(texts):
+    assert cache.decode(cache.document(i), skip_special_tokens=True) == expected[i], i
+    assert tok.encode(text) == cache.document(i)[:-1].tolist(), i
+assert tc.check_cache(sys.argv[1]) == []
+assert main(["verify", sys.argv[1]]) == 0
+assert main(["show", sys.argv[1], "-d", "0"]) == 0
+assert main(["trace", sys.argv[1], "--step", "0", "--seq-len", "64", "--batch-size", "2"]) == 0
+print("READ BACK OK")
+"""
+
+
+def _read_back(cache: Path, blocked: str, kind: str, model: str = "") -> str:
+    out = subprocess.run([sys.executable, "-c", _READ_BACK, str(cache), blocked, kind, model],
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "READ BACK OK" in out.stdout
+    return out.stdout
+
+
+def test_a_tiktoken_cache_reads_decodes_traces_and_verifies_in_a_fresh_process(
+        tmp_path, gpt2_tiktoken, ranks_path, books):
+    texts = [p for p in paragraphs(books, 300)] + _tricky(books, random.Random(2))
+    inputs = [write_jsonl(tmp_path / f"in-{k}.jsonl", texts[k::2]) for k in range(2)]
+    out = tmp_path / "cache"
+    # the CLI's -t tiktoken:PATH (default pattern gpt2, <|endoftext|> after the last rank)
+    from torchcache.cli import main
+    assert main(["build", *inputs, "-o", str(out), "-t", f"tiktoken:{ranks_path}",
+                 "--workers", "2", "--block-tokens", "4096"]) == 0
+    cache = tc.TokenCache(str(out))
+    assert cache.spec["tokenizer"]["kind"] == "tiktoken"
+    assert cache.spec["tokenizer"]["fingerprint"] == gpt2_tiktoken.fingerprint
+    assert sorted(p.name for p in out.iterdir() if p.name.startswith("tokenizer")) == \
+        ["tokenizer.tiktoken", "tokenizer.tiktoken.json"]
+    _read_back(out, "sentencepiece,transformers", "TiktokenTokenizer")
+
+
+def test_a_swapped_tiktoken_ranks_file_is_refused_naming_it(tmp_path, gpt2_tiktoken, books):
+    out = tmp_path / "cache"
+    tc.build_cache(write_jsonl(tmp_path / "in.jsonl", paragraphs(books, 50)), str(out),
+                   gpt2_tiktoken, num_workers=1, progress=False)
+    ranks = out / "tokenizer.tiktoken"
+    lines = ranks.read_bytes().splitlines(keepends=True)
+    a, b = lines[300].split(), lines[301].split()  # two tokens trade ids: a valid, other file
+    lines[300], lines[301] = a[0] + b" " + b[1] + b"\n", b[0] + b" " + a[1] + b"\n"
+    ranks.write_bytes(b"".join(lines))
+    with pytest.raises(tc.CacheFormatError, match=str(ranks)):
+        tc.TokenCache(str(out)).decode([1, 2, 3])
+    problems = tc.check_cache(str(out))
+    assert [p.file for p in problems] == ["tokenizer.tiktoken"] and str(ranks) in problems[0].message
+    ranks.unlink()
+    assert "missing" in tc.check_cache(str(out))[0].message
+
+
+def test_a_bare_tiktoken_path_asks_for_its_pattern(tmp_path, ranks_path, books):
+    with pytest.raises(ValueError, match="split pattern"):
+        tc.build_cache(write_jsonl(tmp_path / "in.jsonl", ["hello"]), str(tmp_path / "c"),
+                       ranks_path)
+
+
+def test_a_missing_library_is_one_line_naming_the_extra(tmp_path, gpt2_tiktoken, sp_models, books):
+    code = ("import sys; sys.modules['tiktoken'] = None; sys.modules['sentencepiece'] = None\n"
+            "import torchcache as tc\n"
+            "for make in (lambda: tc.tiktoken_tokenizer(sys.argv[1]).encode('x'),\n"
+            "             lambda: tc.sentencepiece_tokenizer(sys.argv[2])):\n"
+            "    try:\n        make()\n    except ImportError as e:\n        print(e)\n")
+    ranks = tmp_path / "r.tiktoken"
+    ranks.write_bytes(b"YQ== 0\nYg== 1\n")
+    out = subprocess.run([sys.executable, "-c", code, str(ranks), sp_models["bpe"]],
+                         capture_output=True, text=True, timeout=60)
+    lines = out.stdout.splitlines()
+    assert lines == ["tiktoken tokenizers need the tiktoken package: pip install "
+                     "'torchcache-lm[tiktoken]' (or pip install tiktoken)",
+                     "sentencepiece tokenizers need the sentencepiece package: pip install "
+                     "'torchcache-lm[sentencepiece]' (or pip install sentencepiece)"], out.stderr
+
+
+# ---------------------------------------------------------------- SentencePiece
+
+@pytest.mark.parametrize("kind", ["bpe", "unigram"])
+def test_sentencepiece_ids_and_decoding_equal_sentencepieces_own(sp_models, books, kind):
+    sp = spm.SentencePieceProcessor(model_file=sp_models[kind])
+    backend = tc.sentencepiece_tokenizer(sp_models[kind])
+    texts = [b["text"] for b in books] + _tricky(books, random.Random(4))
+    encoder = _encoder(backend, piece_chars=300)
+    pieces, counts = encoder.pieces(texts)
+    assert pieces == texts and max(len(t) for t in texts) > 100_000  # never cut (see below)
+    for text, ids in zip(texts, encoder.encode(texts), strict=True):
+        assert ids.tolist() == sp.encode(text)
+        assert backend.decode(ids) == sp.decode(sp.encode(text))
+    for text, (ids, offsets) in zip(texts, encoder.encode_with_offsets(texts), strict=True):
+        assert ids == sp.encode(text) and len(offsets) == len(ids)
+    assert backend.token_to_id("</s>") == sp.eos_id() and backend.token_to_id("<nope>") is None
+
+
+def test_a_unigram_models_ids_depend_on_text_far_before_so_sentencepiece_texts_are_never_cut(
+        sp_models, books):
+    """Why no window can prove a SentencePiece cut: the unigram model's segmentation of a word
+    can change with text thousands of characters before it (its Viterbi sums scores from the
+    start; seen with this corpus: "Timberlakes" is la|ke|s 10 K characters into its book, l|ak|es
+    20 K in). So the encoder never cuts a SentencePiece text, and its ids are sp.encode's."""
+    sp = spm.SentencePieceProcessor(model_file=sp_models["unigram"])
+    text = "\n".join(b["text"] for b in books)[:200_000]
+    whole = sp.encode(text)
+    backend = tc.sentencepiece_tokenizer(sp_models["unigram"])
+    encoder = _encoder(backend, piece_chars=300)
+    assert encoder.cut is False and encoder.pieces([text]) == ([text], [1])
+    assert encoder.encode([text])[0].tolist() == whole
+
+
+def _pieces_oracle(sp, text: str, start_char: int) -> list[bool]:
+    """Trained flags from sentencepiece's own pieces (their byte spans in the text)."""
+    start = len(text[:start_char].encode("utf-8"))
+    return [p.end > start for p in sp.encode(text, out_type="proto").pieces]
+
+
+@pytest.mark.parametrize("kind", ["bpe", "unigram"])
+def test_sentencepiece_prompt_completion_masks_equal_its_pieces_oracle(tmp_path, sp_models, books,
+                                                                       kind):
+    records = _prompt_completions(books)
+    path = tmp_path / "pc.jsonl"
+    path.write_text("".join(json.dumps(r, ensure_ascii=False) + "\n" for r in records))
+    tc.build_cache(str(path), str(tmp_path / "cache"), sp_models[kind],
+                   input_format="prompt_completion", num_workers=1, progress=False)
+    cache = tc.TokenCache(str(tmp_path / "cache"))
+    sp = spm.SentencePieceProcessor(model_file=sp_models[kind])
+    assert cache.spec["eos_id"] == sp.eos_id()
+    for i, r in enumerate(records):
+        text = r["prompt"] + r["completion"]
+        assert cache.document(i).tolist() == sp.encode(text) + [sp.eos_id()]
+        mask = cache.document_loss_mask(i).tolist()
+        assert mask[:-1] == _pieces_oracle(sp, text, len(r["prompt"]))
+
+
+def test_a_sentencepiece_cache_reads_decodes_traces_and_verifies_in_a_fresh_process(
+        tmp_path, sp_models, books):
+    texts = [p for p in paragraphs(books, 300)] + _tricky(books, random.Random(5))
+    inputs = [write_jsonl(tmp_path / f"in-{k}.jsonl", texts[k::2]) for k in range(2)]
+    out = tmp_path / "cache"
+    from torchcache.cli import main
+    assert main(["build", *inputs, "-o", str(out), "-t", sp_models["bpe"], "--workers", "2",
+                 "--block-tokens", "4096"]) == 0
+    cache = tc.TokenCache(str(out))
+    assert cache.spec["tokenizer"]["kind"] == "sentencepiece" and cache.spec["eos_id"] == 2
+    _read_back(out, "tiktoken,transformers", "SentencePieceTokenizer", sp_models["bpe"])
+    model = out / "tokenizer.model"
+    model.write_bytes(Path(sp_models["unigram"]).read_bytes())  # another valid model
+    with pytest.raises(tc.CacheFormatError, match=str(model)):
+        tc.TokenCache(str(out)).decode([5])
+    assert [p.file for p in tc.check_cache(str(out))] == ["tokenizer.model"]
