@@ -2,6 +2,7 @@
 
     python tools/bench_build.py [--corpus DIR] [--tokenizer tokenizer.json] [--workers N]
     python tools/bench_build.py --chat CHAT_DIR [--tokenizer tokenizer.json] [--workers N]
+    python tools/bench_build.py --backend tiktoken|sentencepiece [--megabytes 20] [--workers 2]
 
 Prints tokens/s of the baseline (whole-document encode_batch, encoding time only, per shard) and of
 `build_cache` (everything: reading, tokenizing, writing, fsync), their ratio, whether the ids are
@@ -14,6 +15,12 @@ their ratio, whether the ids are identical, the bytes of the loss mask (and of t
 sidecars) against the token bytes, and reading (tc.DataLoader over TokenDataset(cache, 2048),
 shuffled batches of 16, in-process and with 2 workers) with the mask against reading the text
 cache without one.
+
+With --backend: a tiktoken (GPT-2's ranks) or SentencePiece build (a unigram model of 8,000 pieces
+trained first on 2 MB of the corpus, or --sp-model) of the first --megabytes of the corpus, side by
+side with that library's own fastest batched encode of the same documents (tiktoken:
+encode_ordinary_batch with num_threads=workers; sentencepiece: encode with num_threads=workers,
+encoding time only): tokens/s of each, their ratio, and whether every id is the library's own.
 """
 
 from __future__ import annotations
@@ -191,6 +198,76 @@ def _tensor_bytes(path: str, name: str) -> int:
     return end - begin
 
 
+def corpus_slice(corpus: str, megabytes: float, out_dir: str) -> list[str]:
+    """The corpus's first `megabytes` of documents, as two JSON lines inputs (one per worker)."""
+    docs, size = [], 0
+    for path in sorted(glob.glob(os.path.join(corpus, "*.jsonl"))):
+        with open(path, encoding="utf-8") as f:
+            for line in f:
+                text = json.loads(line)["text"]
+                docs.append(text)
+                size += len(text.encode("utf-8"))
+                if size >= megabytes * 1e6:
+                    break
+        if size >= megabytes * 1e6:
+            break
+    half, at, paths = size / 2, 0, []
+    cut = next((i for i, d in enumerate(docs) if (at := at + len(d.encode("utf-8"))) >= half), len(docs) - 1) + 1
+    for k, part in enumerate((docs[:cut], docs[cut:])):
+        paths.append(os.path.join(out_dir, f"part-{k}.jsonl"))
+        with open(paths[-1], "w", encoding="utf-8") as f:
+            f.writelines(json.dumps({"text": d}, ensure_ascii=False) + "\n" for d in part)
+    print(f"corpus slice: {len(docs):,} documents, {size / 1e6:.1f} MB of text in 2 inputs")
+    return paths
+
+
+def backend_comparison(args: argparse.Namespace) -> None:
+    workers = args.workers or 2
+    with tempfile.TemporaryDirectory() as tmp:
+        inputs = corpus_slice(args.corpus, args.megabytes, tmp)
+        texts = [[json.loads(line)["text"] for line in open(p, encoding="utf-8")] for p in inputs]
+        if args.backend == "tiktoken":
+            import tiktoken
+            import torchcache as tc
+            ranks = os.path.join(SHARED, "tokenizers", "gpt2", "gpt2.tiktoken")
+            tok = tc.tiktoken_tokenizer(ranks, special_tokens={"<|endoftext|>": 50256})
+            enc = tiktoken.Encoding("gpt2", pat_str=tok.pattern, mergeable_ranks=tok.ranks,
+                                    special_tokens=tok.specials)
+            spec, what = f"tiktoken:{ranks}", f"tiktoken {tiktoken.__version__} encode_ordinary_batch"
+            encode = lambda docs: enc.encode_ordinary_batch(docs, num_threads=workers)  # noqa: E731
+        else:
+            import sentencepiece as spm
+            spec = args.sp_model
+            if spec is None:
+                spec = os.path.join(tmp, "sp.model")
+                with open(os.path.join(tmp, "train.txt"), "w", encoding="utf-8") as f:
+                    f.write("\n".join(texts[0])[:2_000_000])
+                spm.SentencePieceTrainer.train(input=os.path.join(tmp, "train.txt"),
+                                               model_prefix=spec[:-6], vocab_size=8000,
+                                               model_type="unigram", minloglevel=2)
+            sp = spm.SentencePieceProcessor(model_file=spec)
+            what = f"sentencepiece {spm.__version__} encode(num_threads={workers})"
+            encode = lambda docs: sp.encode(docs, num_threads=workers)  # noqa: E731
+        seconds, ids = 0.0, []
+        for docs in texts:
+            t = time.perf_counter()
+            ids.append(encode(docs))
+            seconds += time.perf_counter() - t
+        n_tokens = sum(len(d) for part in ids for d in part)
+        print(f"baseline {what}: {n_tokens:,} tokens in {seconds:.2f} s = "
+              f"{n_tokens / seconds / 1e6:.3f} M tokens/s (encoding time only)")
+        out = os.path.join(tmp, "cache")
+        build_s = timed_build(inputs, out, spec, workers)
+        print(f"build_cache ({args.backend}, {workers} workers): {n_tokens:,} tokens in {build_s:.2f} s "
+              f"= {n_tokens / build_s / 1e6:.3f} M tokens/s (wall clock incl. process start, reading, "
+              "writing, fsync)")
+        identical = cache_ids_by_input(out) == ids
+        print(f"ids identical to {args.backend}'s own encode: {identical}")
+    print(f"RATIO builder / baseline tokens/s: {seconds / build_s:.2f}x")
+    if not identical:
+        raise SystemExit(f"ids differ from {args.backend}'s own encode")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--corpus", default=os.path.join(SHARED, "corpus", "gutenberg_en"))
@@ -198,7 +275,15 @@ def main() -> None:
     parser.add_argument("--workers", type=int, default=None, help="builder workers (default: all cores)")
     parser.add_argument("--chat", default=None, help="a chat corpus (tools/make_chat_corpus.py): "
                                                      "compare a chat build with a text build")
+    parser.add_argument("--backend", choices=["tiktoken", "sentencepiece"], default=None,
+                        help="compare a tiktoken or SentencePiece build with that library's own "
+                             "batched encode")
+    parser.add_argument("--megabytes", type=float, default=20, help="for --backend: corpus MB")
+    parser.add_argument("--sp-model", default=None, help="for --backend sentencepiece: a .model "
+                                                         "(default: one trained here)")
     args = parser.parse_args()
+    if args.backend:
+        return backend_comparison(args)
     if args.chat:
         return chat_comparison(args.chat, args.tokenizer, args.workers)
     shards = sorted(glob.glob(os.path.join(args.corpus, "*.jsonl")))
