@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import lzma
 import random
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -311,3 +312,105 @@ def test_a_sentencepiece_cache_reads_decodes_traces_and_verifies_in_a_fresh_proc
     with pytest.raises(tc.CacheFormatError, match=str(model)):
         tc.TokenCache(str(out)).decode([5])
     assert [p.file for p in tc.check_cache(str(out))] == ["tokenizer.model"]
+
+
+# ---------------------------------------------------------------- chat
+
+CHATML = ("{% for m in messages %}{{ '<|im_start|>' + m.role + '\n' }}"
+          "{% if m.role == 'assistant' %}{% generation %}{{ m.content + '<|im_end|>' }}"
+          "{% endgeneration %}{% else %}{{ m.content + '<|im_end|>' }}{% endif %}{{ '\n' }}"
+          "{% endfor %}")
+
+
+def _conversations(books) -> list[list[dict]]:
+    rng = random.Random(9)
+    parts = paragraphs(books, 300)
+    out = []
+    for _ in range(30):
+        turns = []
+        for k in range(rng.randint(1, 3)):
+            turns.append({"role": "user", "content": rng.choice(parts)[:150]})
+            turns.append({"role": "assistant", "content": rng.choice(parts)[:250]
+                          + rng.choice(["", " ", "\n", " été 🎉"])})
+        out.append(turns)
+    return out
+
+
+def _chatml_text(turns: list[dict]) -> tuple[str, list[tuple[int, int]]]:
+    """The ChatML rendering, written out here by hand (not by torchcache's renderer), and the
+    character spans of what each assistant writes (its content and end-of-turn marker)."""
+    text, spans = "", []
+    for m in turns:
+        text += "<|im_start|>" + m["role"] + "\n"
+        if m["role"] == "assistant":
+            spans.append((len(text), len(text) + len(m["content"]) + len("<|im_end|>")))
+        text += m["content"] + "<|im_end|>\n"
+    return text, spans
+
+
+def _overlaps(spans_bytes: list[tuple[int, int]], a: int, b: int) -> bool:
+    return any(a < e and s < b for s, e in spans_bytes) or (a == b and any(s <= a < e for s, e in spans_bytes))
+
+
+def _build_chat(tmp_path, tokenizer, conversations) -> tc.TokenCache:
+    path = tmp_path / "chat.jsonl"
+    path.write_text("".join(json.dumps({"messages": c}, ensure_ascii=False) + "\n"
+                            for c in conversations))
+    tc.build_cache(str(path), str(tmp_path / "cache"), tokenizer, input_format="messages",
+                   chat_template=CHATML, num_workers=1, progress=False, eos=None)
+    return tc.TokenCache(str(tmp_path / "cache"))
+
+
+def test_tiktoken_chat_masks_equal_the_token_bytes_oracle(tmp_path, ranks_path, books):
+    tok = tc.tiktoken_tokenizer(ranks_path, special_tokens={"<|endoftext|>": 50256,
+                                                            "<|im_start|>": 50257,
+                                                            "<|im_end|>": 50258})
+    conversations = _conversations(books)
+    cache = _build_chat(tmp_path, tok, conversations)
+    enc = tok.encoding
+    for i, turns in enumerate(conversations):
+        text, spans = _chatml_text(turns)
+        ids = enc.encode(text, allowed_special="all")
+        assert cache.document(i).tolist() == ids
+        byte_spans = [(len(text[:a].encode()), len(text[:b].encode())) for a, b in spans]
+        oracle, at = [], 0
+        for token in enc.decode_tokens_bytes(ids):
+            oracle.append(_overlaps(byte_spans, at, at + len(token)))
+            at += len(token)
+        assert cache.document_loss_mask(i).tolist() == oracle
+
+
+@pytest.mark.parametrize("kind", ["bpe", "unigram"])
+def test_sentencepiece_chat_masks_equal_its_pieces_oracle(tmp_path, books, kind):
+    """A model with the ChatML markers as control pieces: the text between them is sp.encode'd,
+    each marker is its piece; the mask comes from sentencepiece's own pieces' byte spans."""
+    folder = tmp_path / "model"
+    folder.mkdir()
+    corpus = folder / "corpus.txt"
+    corpus.write_text("\n".join(b["text"] for b in books)[:200_000], encoding="utf-8")
+    spm.SentencePieceTrainer.train(input=str(corpus), model_prefix=str(folder / "m"),
+                                   vocab_size=1500, model_type=kind, minloglevel=2, num_threads=1,
+                                   control_symbols=["<|im_start|>", "<|im_end|>"])
+    model = str(folder / "m.model")
+    sp = spm.SentencePieceProcessor(model_file=model)
+    conversations = _conversations(books)
+    cache = _build_chat(tmp_path, model, conversations)
+    markers = {"<|im_start|>": sp.piece_to_id("<|im_start|>"), "<|im_end|>": sp.piece_to_id("<|im_end|>")}
+    for i, turns in enumerate(conversations):
+        text, spans = _chatml_text(turns)
+        byte_spans = [(len(text[:a].encode()), len(text[:b].encode())) for a, b in spans]
+        ids, oracle = [], []
+        # walk the text: markers are their pieces, the text between is sentencepiece's own
+        at_char = 0
+        for part in re.split(r"(<\|im_start\|>|<\|im_end\|>)", text):
+            base = len(text[:at_char].encode())
+            if part in markers:
+                ids.append(markers[part])
+                oracle.append(_overlaps(byte_spans, base, base + len(part.encode())))
+            elif part:
+                for p in sp.encode(part, out_type="proto").pieces:
+                    ids.append(p.id)
+                    oracle.append(_overlaps(byte_spans, base + p.begin, base + p.end))
+            at_char += len(part)
+        assert cache.document(i).tolist() == ids
+        assert cache.document_loss_mask(i).tolist() == oracle

@@ -36,7 +36,7 @@ class TiktokenTokenizer(TokenizerBackend):
     kind = "tiktoken"
 
     def __init__(self, ranks: Mapping[bytes, int], pattern: str, special_tokens: Mapping[str, int],
-                 where: str = "tiktoken tokenizer"):
+                 where: str = "tiktoken tokenizer", files: dict[str, bytes] | None = None):
         self.ranks = dict(ranks)
         self.pattern = pattern
         self.specials = {str(k): int(v) for k, v in special_tokens.items()}
@@ -45,19 +45,25 @@ class TiktokenTokenizer(TokenizerBackend):
             if i in taken:
                 raise ValueError(f"{where}: special token {text!r} has id {i}, which is also the "
                                  "rank of a token of the ranks file; give it an unused id")
-        lines = sorted(self.ranks.items(), key=lambda kv: kv[1])
-        ranks_file = b"".join(base64.b64encode(t) + b" " + str(r).encode() + b"\n" for t, r in lines)
-        config = json.dumps({"pattern": pattern, "special_tokens": dict(sorted(self.specials.items()))},
-                            sort_keys=True, ensure_ascii=False, separators=(",", ":")).encode()
-        self.files = {RANKS_NAME: ranks_file, CONFIG_NAME: config}
+        if files is None:  # the canonical files: ranks in rank order, settings as sorted JSON
+            lines = sorted(self.ranks.items(), key=lambda kv: kv[1])
+            ranks_file = b"".join(base64.b64encode(t) + b" " + str(r).encode() + b"\n"
+                                  for t, r in lines)
+            config = json.dumps({"pattern": pattern,
+                                 "special_tokens": dict(sorted(self.specials.items()))},
+                                sort_keys=True, ensure_ascii=False, separators=(",", ":")).encode()
+            files = {RANKS_NAME: ranks_file, CONFIG_NAME: config}
+        self.files = files
         self._encoding: Any = None
         self._lengths: np.ndarray | None = None
 
     @classmethod
     def from_files(cls, files: dict[str, bytes]) -> "TiktokenTokenizer":
+        """The tokenizer whose files these are (a cache's, checked by hash, or a build's, sent
+        to its workers): kept as they are, not made again."""
         config = json.loads(files[CONFIG_NAME].decode("utf-8"))
         return cls(parse_ranks(files[RANKS_NAME], RANKS_NAME), config["pattern"],
-                   config["special_tokens"])
+                   config["special_tokens"], RANKS_NAME, dict(files))
 
     @property
     def encoding(self) -> Any:
