@@ -95,6 +95,16 @@ def test_tiktoken_ids_equal_tiktoken_and_the_gpt2_tokenizer_json(gpt2_tiktoken, 
     for text, ids in zip(texts, encoder.encode(texts), strict=True):
         assert ids.tolist() == enc.encode(text, allowed_special="all")
     assert encoder.encode([texts[-3]])[0].tolist().count(50256) == 3
+    # a lone surrogate (JSON allows "\ud800"): tiktoken's own encode replaces it with U+FFFD
+    lone = "a lone \ud800 surrogate, then é"
+    ids, offsets = _encoder(gpt2_tiktoken).encode_with_offsets([lone])[0]
+    assert ids == enc.encode_ordinary(lone) and offsets[-1, 1] == len(lone)
+    trained = _encoder(gpt2_tiktoken).encode_trained([lone], [[(7, 8)]])[0][1]
+    oracle, at = [], 0  # tokens whose bytes overlap U+FFFD's 3 bytes, at byte 7
+    for token in enc.decode_tokens_bytes(ids):
+        oracle.append(at < 10 and 7 < at + len(token))
+        at += len(token)
+    assert trained.tolist() == oracle and any(oracle)
 
 
 def test_a_tiktoken_encoding_is_taken_as_it_is(gpt2_tiktoken):

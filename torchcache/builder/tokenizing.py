@@ -238,14 +238,14 @@ class DocumentEncoder:
             i += n
         return out
 
-    def _backend_ids(self, pieces: list[str], counts: list[int]) -> list[np.ndarray]:
-        """Each text's ids (int64), joined from its pieces' ids."""
+    def _backend_ids(self, pieces: list[str], counts: list[int], dtype: Any = np.int64
+                     ) -> list[np.ndarray]:
+        """Each text's ids (as `dtype`), joined from its pieces' ids."""
         encoded = self.backend.encode_batch(pieces, self.as_text)
         out, i = [], 0
         for n in counts:
             parts = encoded[i:i + n]
-            out.append(parts[0].astype(np.int64) if n == 1 else
-                       np.concatenate(parts).astype(np.int64))
+            out.append(parts[0].astype(dtype) if n == 1 else np.concatenate(parts).astype(dtype))
             i += n
         return out
 
@@ -295,8 +295,8 @@ class DocumentEncoder:
         if self.backend is not None:
             head = np.asarray([] if self.bos_id is None else [self.bos_id], dtype=self.dtype)
             tail = np.asarray([] if self.eos_id is None else [self.eos_id], dtype=self.dtype)
-            return [np.concatenate([head, ids.astype(self.dtype), tail])
-                    for ids in self._backend_ids(pieces, counts)]
+            return [np.concatenate([head, ids, tail])
+                    for ids in self._backend_ids(pieces, counts, self.dtype)]
         encodings = self.tok.encode_batch_fast(pieces, add_special_tokens=False) \
             if hasattr(self.tok, "encode_batch_fast") else \
             self.tok.encode_batch(pieces, add_special_tokens=False)

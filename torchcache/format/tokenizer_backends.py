@@ -91,7 +91,7 @@ class TokenizerBackend:
         return self.encode_batch([text], special_tokens_as_text=True)[0].tolist()
 
     def encode_batch(self, texts: Sequence[str], special_tokens_as_text: bool) -> list[np.ndarray]:
-        """Each text's ids (int64; no BOS/EOS)."""
+        """Each text's ids (an integer array each; no BOS/EOS)."""
         raise NotImplementedError
 
     def encode_offsets_batch(self, texts: Sequence[str], special_tokens_as_text: bool
