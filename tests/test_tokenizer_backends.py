@@ -20,7 +20,7 @@ import torchcache as tc
 from torchcache.builder.tokenizing import DocumentEncoder
 from torchcache.format.tokenizer import load_tokenizer
 
-from conftest import DATA, paragraphs, write_jsonl
+from conftest import DATA, killed_build_resumes_to_the_same_bytes, paragraphs, write_jsonl
 
 tiktoken = pytest.importorskip("tiktoken")
 spm = pytest.importorskip("sentencepiece")
@@ -424,3 +424,45 @@ def test_sentencepiece_chat_masks_equal_its_pieces_oracle(tmp_path, books, kind)
             at_char += len(part)
         assert cache.document(i).tolist() == ids
         assert cache.document_loss_mask(i).tolist() == oracle
+
+
+# ---------------------------------------------------------------- resume, background
+
+_RESUMABLE = """
+import torchcache as tc
+tok = sys.argv[2] if sys.argv[2].endswith(".model") else tc.tiktoken_tokenizer(sys.argv[2])
+tc.build_cache(json.loads(sys.argv[1]), sys.argv[3], tok, num_workers=2, block_tokens=2000,
+               progress=False)
+"""
+
+
+@pytest.mark.parametrize("kind", ["tiktoken", "sentencepiece"])
+def test_a_killed_build_resumes_to_the_same_bytes(tmp_path, kind, ranks_path, sp_models, books):
+    docs = paragraphs(books, 600)
+    inputs = [write_jsonl(tmp_path / f"in-{k}.jsonl", docs[k::2]) for k in range(2)]
+    tokenizer = ranks_path if kind == "tiktoken" else sp_models["unigram"]
+    whole = killed_build_resumes_to_the_same_bytes(_RESUMABLE, json.dumps(inputs), tokenizer,
+                                                   root=tmp_path)
+    assert tc.TokenCache(str(whole)).spec["tokenizer"]["kind"] == kind
+
+
+def test_a_background_build_takes_a_backend_object(tmp_path, gpt2_tiktoken, books):
+    handle = tc.build_cache(write_jsonl(tmp_path / "in.jsonl", paragraphs(books, 40)),
+                            str(tmp_path / "cache"), gpt2_tiktoken, background=True)
+    result = handle.wait(120)
+    cache = tc.TokenCache(result.path)
+    assert cache.document(0).tolist() == gpt2_tiktoken.encode(paragraphs(books, 1)[0]) + [50256]
+
+
+@pytest.mark.parametrize("kind", ["tiktoken", "sentencepiece"])
+def test_a_lost_block_is_repaired_with_the_caches_own_tokenizer(tmp_path, kind, gpt2_tiktoken,
+                                                                sp_models, books):
+    tokenizer = gpt2_tiktoken if kind == "tiktoken" else sp_models["bpe"]
+    out = tmp_path / "cache"
+    tc.build_cache(write_jsonl(tmp_path / "in.jsonl", paragraphs(books, 300)), str(out), tokenizer,
+                   num_workers=1, block_tokens=3000, progress=False)
+    block = out / "blocks" / "000000-000001.safetensors"
+    good = block.read_bytes()
+    block.unlink()
+    assert tc.repair_cache(str(out)).repaired == ["blocks/000000-000001.safetensors"]
+    assert block.read_bytes() == good
