@@ -107,6 +107,27 @@ def test_tiktoken_ids_equal_tiktoken_and_the_gpt2_tokenizer_json(gpt2_tiktoken, 
     assert trained.tolist() == oracle and any(oracle)
 
 
+#: cl100k_base's split pattern (tiktoken_ext.openai_public): it keeps a newline run whole
+CL100K = (r"""'(?i:[sdmt]|ll|ve|re)|[^\r\n\p{L}\p{N}]?+\p{L}++|\p{N}{1,3}+| ?[^\s\p{L}\p{N}]++"""
+          r"""[\r\n]*+|\s++$|\s*[\r\n]|\s+(?!\S)|\s""")
+
+
+def test_a_pattern_that_keeps_newline_runs_whole_is_cut_after_them(ranks_path, books):
+    """GPT-2's cut (between the newlines of a blank line) would split cl100k's "\n\n" piece: the
+    tokenizer refuses it on the probe, and the cut after the blank line is used and proven."""
+    tok = tc.tiktoken_tokenizer(ranks_path, pattern=CL100K)
+    texts = [b["text"] for b in books] + _tricky(books, random.Random(6))
+    encoder = _encoder(tok, piece_chars=300)
+    pieces, counts = encoder.pieces(texts)
+    assert max(counts) >= 3
+    for piece, following in zip(pieces, pieces[1:]):  # (pieces of one text, or of the next)
+        if piece.endswith("\n") and not piece.endswith("\n\n"):
+            assert not following.startswith("\n")  # never between the newlines
+    assert sum(p.endswith("\n\n") and n[:1].isalpha() for p, n in zip(pieces, pieces[1:])) > 20
+    for text, ids in zip(texts, encoder.encode(texts), strict=True):
+        assert ids.tolist() == tok.encoding.encode_ordinary(text)
+
+
 def test_a_tiktoken_encoding_is_taken_as_it_is(gpt2_tiktoken):
     enc = tiktoken.Encoding("mine", pat_str=gpt2_tiktoken.pattern, mergeable_ranks=gpt2_tiktoken.ranks,
                             special_tokens={"<|endoftext|>": 50256})
