@@ -23,9 +23,20 @@ MODEL_NAME = "tokenizer.model"
 class SentencePieceTokenizer(TokenizerBackend):
     """A SentencePiece model (BPE or unigram).
 
-    >>> tok = tc.sentencepiece_tokenizer("tokenizer.model")  # doctest: +SKIP
-    >>> tok.encode("hello world") == tok.processor.encode("hello world")  # doctest: +SKIP
+    A toy model, trained here by sentencepiece's own trainer:
+
+    >>> import io, sentencepiece
+    >>> model = io.BytesIO()
+    >>> sentencepiece.SentencePieceTrainer.train(
+    ...     sentence_iterator=iter(["the cat sat on the mat", "a cat and a hat"] * 50),
+    ...     model_writer=model, vocab_size=30, hard_vocab_limit=False, minloglevel=2)
+    >>> with open("toy.model", "wb") as f:
+    ...     _ = f.write(model.getvalue())
+    >>> tok = tc.sentencepiece_tokenizer("toy.model")
+    >>> tok.encode("the cat sat") == tok.processor.encode("the cat sat")
     True
+    >>> tok.decode(tok.encode("the cat sat")), tok.token_to_id("</s>")
+    ('the cat sat', 2)
     """
 
     kind = "sentencepiece"

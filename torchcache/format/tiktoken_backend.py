@@ -28,9 +28,17 @@ PATTERNS = {"gpt2": GPT2_PATTERN}
 class TiktokenTokenizer(TokenizerBackend):
     """A tiktoken BPE: ranks (token bytes -> id), split pattern, special tokens (text -> id).
 
-    >>> tok = tc.tiktoken_tokenizer("gpt2.tiktoken")  # doctest: +SKIP
-    >>> tok.encode("hello world")  # doctest: +SKIP
-    [31373, 995]
+    A toy ranks file (every byte, then one merge) in tiktoken's format:
+
+    >>> import base64
+    >>> ranks = [bytes([b]) for b in range(256)] + [b"hi"]
+    >>> with open("toy.tiktoken", "wb") as f:
+    ...     _ = f.writelines(base64.b64encode(t) + b" %d\\n" % i for i, t in enumerate(ranks))
+    >>> tok = tc.tiktoken_tokenizer("toy.tiktoken")  # the gpt2 pattern; <|endoftext|> = 257
+    >>> tok.encode("hi hi!"), tok.vocab_size, tok.token_to_id("<|endoftext|>")
+    ([256, 32, 256, 33], 258, 257)
+    >>> tok.decode([256, 32, 256])
+    'hi hi'
     """
 
     kind = "tiktoken"
