@@ -29,6 +29,7 @@ from .records import ITERABLE_PATH, InputSource
 from ..format.storage import LocalStorage, Storage, open_storage
 from ..read.cache import TokenCache
 from ..format.tokenizer import TokenizerLike, canonical_json, fingerprint_of_json, load_tokenizer
+from ..format.tokenizer_declarations import tokenizer_declarations
 from .tokenizing import special_token_id
 from .chat import ChatTemplate, load_chat_template, split_role_markers
 from ..format.arrays import parse_declarations
@@ -122,11 +123,12 @@ def run_build(inputs: Any, output: str | os.PathLike, tokenizer: TokenizerLike |
         dtype = fmt.token_dtype(vocab_size)
         tokenizer_json = canonical_json(tok)  # (made once: a large tokenizer takes ~0.2 s)
         tokenizer_spec = {"fingerprint": fingerprint_of_json(tokenizer_json)}
-        bos_id, eos_id = special_token_id(tok, bos, "bos"), special_token_id(tok, eos, "eos")
+        declared = tokenizer_declarations(tokenizer)  # a model folder's, a transformers tokenizer's
+        bos_id, eos_id = (special_token_id(tok, bos, "bos", declared),
+                          special_token_id(tok, eos, "eos", declared))
     template = None
     if input_format == "messages":
-        template = load_chat_template(tokenizer if isinstance(tokenizer, (str, os.PathLike)) else None,
-                                      chat_template)
+        template = load_chat_template(tokenizer, chat_template)
         _warn_split_markers(template, tok)
     documents = documents_spec(input_format, keep_fields, template, train_on,
                                parse_declarations(arrays) if arrays else None)
