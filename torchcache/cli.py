@@ -716,7 +716,8 @@ def make_parser() -> argparse.ArgumentParser:
     b.add_argument("inputs", nargs="+", help="input files, globs or directories (fsspec URLs)")
     b.add_argument("-o", "--output", required=True, help="cache directory")
     b.add_argument("-t", "--tokenizer", default=None,
-                   help="tokenizer.json path (or its folder); omit it only for pre-tokenized "
+                   help="tokenizer.json path or model folder (its tokenizer_config.json's "
+                        "tokens, eos_token and chat template); omit it only for pre-tokenized "
                         "records (--input-format tokens, with --vocab-size)")
     b.add_argument("--vocab-size", type=int, default=None,
                    help="without --tokenizer: the vocabulary size of pre-tokenized records (sets "
