@@ -96,6 +96,10 @@ def test_a_model_folder_gives_the_tokens_and_eos_transformers_gives(tmp_path, gp
     tc.build_cache(inputs, tmp_path / "out", str(folder), special_tokens_as_text=False,
                    progress=False)
     assert documents(tmp_path / "out") == [hf(t)["input_ids"] + [eos] for t in TEXTS]
+    # the cache keeps that tokenizer: it decodes the ids as transformers does
+    cache = tc.TokenCache(tmp_path / "out")
+    assert [cache.decode(ids) for ids in documents(tmp_path / "out")] == \
+        [hf.decode(hf(t)["input_ids"] + [eos]) for t in TEXTS]
     # special tokens in the text are text by default: transformers' split_special_tokens
     split = transformers.AutoTokenizer.from_pretrained(str(folder), split_special_tokens=True)
     tc.build_cache(inputs, tmp_path / "split", str(folder), progress=False)
@@ -240,6 +244,13 @@ def test_a_transformers_tokenizer_builds_the_cache_its_folder_builds(tmp_path,
         tc.build_cache(inputs, tmp_path / f"text-{name}", tokenizer, special_tokens_as_text=False,
                        progress=False)
     assert documents(tmp_path / "text-object") == [hf(t)["input_ids"] + [eos] for t in texts]
+    # a background build (in a child process) takes it too
+    handle = tc.build_cache(inputs, tmp_path / "background", hf, special_tokens_as_text=False,
+                            background=True, progress=False)
+    handle.wait()
+    assert tc.TokenCache(tmp_path / "background").fingerprint == \
+        tc.TokenCache(tmp_path / "text-object").fingerprint
+    assert documents(tmp_path / "background") == documents(tmp_path / "text-object")
     chats = [[{"role": "user", "content": b["text"][:200]},
               {"role": "assistant", "content": b["text"][200:500]},
               {"role": "user", "content": "And then?"},
@@ -274,6 +285,17 @@ def test_a_slow_transformers_tokenizer_is_a_clear_error(tmp_path):
                                         r"use_fast=True.*or pass its tokenizer.json"):
         tc.build_cache(inputs, tmp_path / "out", slow, progress=False)
     assert not (tmp_path / "out").exists()
+
+
+def test_a_subclass_of_a_transformers_tokenizer_is_one(tmp_path, gpt2_tokenizer_path):
+    class Mine(transformers.PreTrainedTokenizerFast):  # a user's class, in this module
+        pass
+
+    hf = Mine(tokenizer_file=gpt2_tokenizer_path, eos_token="<|endoftext|>")
+    inputs = write_texts(tmp_path / "texts.jsonl", TEXTS[1:3])
+    tc.build_cache(inputs, tmp_path / "out", hf, progress=False)
+    assert documents(tmp_path / "out") == [
+        hf(t, split_special_tokens=True)["input_ids"] + [hf.eos_token_id] for t in TEXTS[1:3]]
 
 
 def test_a_model_folder_from_the_command_line_without_transformers_imported(tmp_path,

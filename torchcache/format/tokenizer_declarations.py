@@ -48,8 +48,9 @@ class Declarations:
 
 
 def is_transformers_tokenizer(obj: Any) -> bool:
-    """True for a transformers tokenizer object (fast or slow), told by its class's module."""
-    return (type(obj).__module__.split(".")[0] == "transformers"
+    """True for a transformers tokenizer object (fast or slow, or a subclass of one), told by
+    the module of its class or of a class it derives from."""
+    return (any(c.__module__.split(".")[0] == "transformers" for c in type(obj).__mro__)
             and hasattr(obj, "special_tokens_map") and hasattr(obj, "convert_tokens_to_ids"))
 
 
