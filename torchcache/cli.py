@@ -730,7 +730,9 @@ def make_parser() -> argparse.ArgumentParser:
     b.add_argument("--eos", default="auto", help="EOS token id or string appended to each document, "
                                                   "'auto' (default: the tokenizer's end-of-text; "
                                                   "none without a tokenizer) or 'none'")
-    b.add_argument("--bos", default=None, help="BOS token id or string prepended to each document")
+    b.add_argument("--bos", default=None, help="BOS token id or string prepended to each document, "
+                                                "or 'auto' (the one the tokenizer itself puts "
+                                                "before a text, if any)")
     b.add_argument("--keep-special-tokens", action="store_true",
                    help="let special-token strings inside documents become special tokens")
     b.add_argument("--allow-empty", action="store_true",
