@@ -716,7 +716,8 @@ def make_parser() -> argparse.ArgumentParser:
     b.add_argument("inputs", nargs="+", help="input files, globs or directories (fsspec URLs)")
     b.add_argument("-o", "--output", required=True, help="cache directory")
     b.add_argument("-t", "--tokenizer", default=None,
-                   help="tokenizer.json path (or its folder), a SentencePiece .model file, or "
+                   help="tokenizer.json path, a model folder (its tokenizer_config.json's "
+                        "tokens, eos_token and chat template), a SentencePiece .model file, or "
                         "tiktoken:PATH[:PATTERN] (a .tiktoken ranks file; PATTERN: gpt2, the "
                         "default, or a regex); omit it only for pre-tokenized records "
                         "(--input-format tokens, with --vocab-size)")
@@ -731,7 +732,9 @@ def make_parser() -> argparse.ArgumentParser:
     b.add_argument("--eos", default="auto", help="EOS token id or string appended to each document, "
                                                   "'auto' (default: the tokenizer's end-of-text; "
                                                   "none without a tokenizer) or 'none'")
-    b.add_argument("--bos", default=None, help="BOS token id or string prepended to each document")
+    b.add_argument("--bos", default=None, help="BOS token id or string prepended to each document, "
+                                                "or 'auto' (the one the tokenizer itself puts "
+                                                "before a text, if any)")
     b.add_argument("--keep-special-tokens", action="store_true",
                    help="let special-token strings inside documents become special tokens")
     b.add_argument("--allow-empty", action="store_true",

@@ -41,8 +41,10 @@ def build_cache(inputs: Any, output: str | os.PathLike, tokenizer: TokenizerLike
         inputs: paths, globs, directories or fsspec URLs (jsonl, txt, parquet, webdataset tar;
             .gz/.zst compressed), webdataset-style `pipe:COMMAND` URLs, or an iterator of strings.
         output: a new or empty directory, or an fsspec URL (s3://...).
-        tokenizer: a `tokenizer.json` path (or its folder) or a `tokenizers.Tokenizer` (for a
-            Hugging Face fast tokenizer, its `backend_tokenizer`); None only for pre-tokenized
+        tokenizer: a `tokenizer.json` path, a model folder (its tokenizer.json with the added
+            tokens, eos_token and chat template of its tokenizer_config.json, read as
+            transformers reads them), a `tokenizers.Tokenizer`, or a transformers fast tokenizer
+            (its backend tokenizer, eos_token and chat_template); None only for pre-tokenized
             inputs: input_format="tokens" records (give vocab_size) or webdataset samples (see
             convert_webdataset).
         text_key: the JSON field or Parquet column holding the text.
@@ -51,8 +53,11 @@ def build_cache(inputs: Any, output: str | os.PathLike, tokenizer: TokenizerLike
         on_error: "raise" stops at a bad record naming file and line; "skip" counts it.
         background: return a BuildHandle at once; training can read the committed prefix.
         executor: "local" (processes on this machine) or "ray" (tasks on a Ray cluster).
-        eos, bos: a token id, a token string, "auto" (the tokenizer's end-of-text; without a
-            tokenizer, none: pre-tokenized records are stored as given) or None.
+        eos, bos: a token id, a token string, "auto" or None. eos="auto": the eos_token a model
+            folder or transformers tokenizer declares, else the tokenizer's end-of-text token
+            (without a tokenizer, none: pre-tokenized records are stored as given). bos="auto":
+            the token the tokenizer itself puts before a text (its post-processor's, as
+            transformers' tok(text) does), or none.
         special_tokens_as_text: tokenize "<|endoftext|>" written in a document as plain text
             (default True; for input_format="messages" the rendering's special tokens are tokens,
             as Hugging Face's apply_chat_template makes them, and True is refused).

@@ -36,6 +36,9 @@ from jinja2.exceptions import SecurityError, TemplateError, TemplateSyntaxError
 
 from ..format.model_folder import model_file_path
 from ..format.tokenizer_backends import TokenizerBackend
+from ..format.tokenizer_declarations import (folder_special_tokens, is_transformers_tokenizer,
+                                             transformers_chat_template,
+                                             transformers_special_tokens)
 from .records import BadRecord
 from .template_limits import (BoundedSandbox, RecordLimits, RenderLimitExceeded, bound_filters,
                               budget, instrument)
@@ -51,8 +54,6 @@ SHAREGPT_ROLES = {"human": "user", "user": "user",
                   "tool": "tool", "observation": "tool"}
 # the names transformers copies a message's reasoning under (utils/chat_template_utils.py)
 REASONING_FIELDS = ("reasoning_content", "thinking", "reasoning")
-SPECIAL_TOKEN_KEYS = ("bos_token", "eos_token", "unk_token", "pad_token", "sep_token", "cls_token",
-                      "mask_token")
 TEMPLATE_FILE = "chat_template.jinja"  # where recent transformers versions save the template
 CONFIG_FILE = "tokenizer_config.json"
 
@@ -575,7 +576,8 @@ def load_chat_template(tokenizer_path: str | os.PathLike | None,
                        now: datetime | None = None) -> ChatTemplate:
     """The chat template to render with, and the special tokens it sees.
 
-    tokenizer_path: tokenizer.json or its folder (None, or a tokenizer object, when there is none).
+    tokenizer_path: tokenizer.json or its folder, or a transformers tokenizer (its chat_template
+    and special tokens); None, or a tokenizers.Tokenizer, when there is none.
     chat_template: None takes the tokenizer's own, from chat_template.jinja or
     tokenizer_config.json ("chat_template": text, or a list of named templates: "default") beside
     tokenizer.json; a string holding "{%" or "{{" is the template's text; anything else is a file
@@ -583,6 +585,8 @@ def load_chat_template(tokenizer_path: str | os.PathLike | None,
     """
     folder = _tokenizer_folder(tokenizer_path)
     special = _special_tokens(folder) if folder else {}
+    if is_transformers_tokenizer(tokenizer_path):
+        special = transformers_special_tokens(tokenizer_path)
     if chat_template is None:
         source, name = _own_template(folder, tokenizer_path)
     elif isinstance(chat_template, str) and ("{%" in chat_template or "{{" in chat_template):
@@ -604,6 +608,15 @@ def _tokenizer_folder(tokenizer_path: Any) -> str | None:
 
 def _own_template(folder: str | None, tokenizer_path: Any) -> tuple[str, str]:
     """The template saved with the tokenizer, and the file it came from."""
+    if is_transformers_tokenizer(tokenizer_path):
+        source = transformers_chat_template(tokenizer_path)
+        name = f"{type(tokenizer_path).__name__}.chat_template"
+        if source is None:
+            raise ValueError(f"chat_template=None takes the tokenizer's own template, but this "
+                             f"transformers tokenizer ({type(tokenizer_path).__name__} "
+                             f"{getattr(tokenizer_path, 'name_or_path', '')!r}) has none; pass "
+                             "chat_template= (Jinja text or a file)")
+        return source, name
     if folder is None:
         raise ValueError("chat_template=None takes the tokenizer's own template from the "
                          "tokenizer_config.json beside its tokenizer.json, but the tokenizer was not "
@@ -652,15 +665,7 @@ def _template_file(path: str) -> str:
 
 def _special_tokens(folder: str) -> dict[str, str]:
     """bos_token, eos_token... from tokenizer_config.json, else special_tokens_map.json."""
-    found: dict[str, str] = {}
-    for name in (CONFIG_FILE, "special_tokens_map.json"):
-        config = _model_json(folder, name)
-        for key in SPECIAL_TOKEN_KEYS if isinstance(config, dict) else ():
-            value = config.get(key)
-            value = value.get("content") if isinstance(value, dict) else value  # AddedToken form
-            if isinstance(value, str) and key not in found:
-                found[key] = value
-    return found
+    return folder_special_tokens(folder)[0]
 
 
 def _model_json(folder: str, name: str) -> Any:

@@ -30,6 +30,7 @@ from ..format.storage import LocalStorage, Storage, open_storage
 from ..read.cache import TokenCache
 from ..format.tokenizer import TokenizerLike, canonical_json, fingerprint_of_json, load_tokenizer
 from ..format.tokenizer_backends import TokenizerBackend
+from ..format.tokenizer_declarations import tokenizer_declarations
 from .tokenizing import special_token_id
 from .chat import ChatTemplate, load_chat_template, split_role_markers
 from ..format.arrays import parse_declarations
@@ -126,10 +127,12 @@ def run_build(inputs: Any, output: str | os.PathLike, tokenizer: TokenizerLike |
             tokenizer_json = canonical_json(tok)  # (made once: a large tokenizer takes ~0.2 s)
             tokenizer_spec = {"fingerprint": fingerprint_of_json(tokenizer_json)}
         dtype = fmt.token_dtype(vocab_size)
-        bos_id, eos_id = special_token_id(tok, bos, "bos"), special_token_id(tok, eos, "eos")
+        declared = tokenizer_declarations(tokenizer)  # a model folder's, a transformers tokenizer's
+        bos_id, eos_id = (special_token_id(tok, bos, "bos", declared),
+                          special_token_id(tok, eos, "eos", declared))
     template = None
     if input_format == "messages":
-        beside = isinstance(tokenizer, (str, os.PathLike)) and not str(tokenizer).startswith("tiktoken:")
+        beside = not (isinstance(tokenizer, str) and tokenizer.startswith("tiktoken:"))
         template = load_chat_template(tokenizer if beside else None, chat_template)
         _warn_split_markers(template, tok)
     documents = documents_spec(input_format, keep_fields, template, train_on,

@@ -12,6 +12,7 @@ from tokenizers import Tokenizer
 
 from ..format.tokenizer import tokenizer_from_json
 from ..format.tokenizer_backends import TokenizerBackend
+from ..format.tokenizer_declarations import Declarations
 from .chat import trained_token_mask
 
 _EOS_CANDIDATES = ("<|endoftext|>", "</s>", "<eos>", "<|end_of_text|>", "<|eot_id|>", "[SEP]")
@@ -29,12 +30,27 @@ _PROBE = ("It was the best of times.\n\nIt was the worst of times, 1999.\n\n\"Qu
 _CHECK_CHARS = 64  # characters on each side of a cut that the tokenizer encodes to prove it
 
 
-def special_token_id(tok: Tokenizer, token: int | str | None, role: str) -> int | None:
-    """Resolve a BOS/EOS argument (id, token string, None, or "auto" for EOS) to an id."""
+def special_token_id(tok: Tokenizer, token: int | str | None, role: str,
+                     declared: Declarations | None = None) -> int | None:
+    """Resolve a BOS/EOS argument (id, token string, None, or "auto") to an id.
+
+    "auto" for eos: the eos_token a model folder or transformers tokenizer declares (`declared`),
+    else the first of the usual end-of-text tokens the tokenizer has. "auto" for bos: see
+    auto_bos_id.
+    """
     if token is None:
         return None
     if isinstance(token, bool):
         raise TypeError(f"{role} must be a token id, a token string, None or 'auto'")
+    if token == "auto" and role == "bos":
+        return auto_bos_id(tok, declared)
+    if token == "auto" and declared is not None and "eos_token" in declared.special_tokens:
+        name = declared.special_tokens["eos_token"]
+        found = tok.token_to_id(name)
+        if found is None:
+            raise ValueError(f"{role}='auto': the eos_token {name!r} of {declared.origin} is not a "
+                             f"token of the tokenizer; pass {role}=<id or token string>")
+        return found
     if token == "auto":
         for candidate in _EOS_CANDIDATES:
             found = tok.token_to_id(candidate)
@@ -56,6 +72,38 @@ def special_token_id(tok: Tokenizer, token: int | str | None, role: str) -> int 
     if not 0 <= int(token) < vocab:
         raise ValueError(f"{role}={token} is outside the vocabulary (size {vocab})")
     return int(token)
+
+
+def auto_bos_id(tok: Tokenizer, declared: Declarations | None = None) -> int | None:
+    """bos="auto": the token the tokenizer itself puts before a text (its post-processor's, as
+    transformers' tok(text)["input_ids"] starts with it: Llama, Gemma, Llama 3), or none.
+
+    tiktoken and SentencePiece tokenizers put none (pass bos="<s>" for Llama 2's).
+    transformers 5 reads the BOS from tokenizer.json's post-processor and ignores
+    tokenizer_config.json's add_bos_token (transformers 4's Llama and Gemma tokenizers followed
+    add_bos_token instead); a folder whose two files disagree is refused rather than guessed.
+    """
+    if isinstance(tok, TokenizerBackend):  # tiktoken and sentencepiece encodes add no BOS
+        return None
+    encoding = tok.encode("a", add_special_tokens=True)
+    lead = list(itertools.takewhile(bool, encoding.special_tokens_mask))
+    if len(lead) > 1:
+        raise ValueError(f"bos='auto': the tokenizer puts {len(lead)} special tokens "
+                         f"{encoding.tokens[:len(lead)]} before each text, not one; pass "
+                         "bos=<id or token string>")
+    found = encoding.ids[0] if lead else None
+    add = declared.add_bos_token if declared is not None else None
+    if add is not None:
+        bos = declared.special_tokens.get("bos_token") if declared is not None else None
+        wanted = tok.token_to_id(bos) if add and bos is not None else None
+        if add != (found is not None) or (add and wanted != found):
+            adds = (f"adds {encoding.tokens[0]!r}" if found is not None else "adds none")
+            raise ValueError(
+                f"bos='auto': {declared.config if declared else ''} sets add_bos_token "
+                f"{str(add).lower()} (bos_token {bos!r}), but the post-processor of its "
+                f"tokenizer.json {adds} before each text; transformers 5 follows tokenizer.json, "
+                "transformers 4 followed add_bos_token: pass bos=<id or token string> or bos=None")
+    return found
 
 
 def can_cut_safely(tok: Tokenizer) -> bool:

@@ -14,22 +14,32 @@ from ..errors import CacheFormatError
 from .model_folder import model_file_path
 from .tokenizer_backends import TokenizerBackend
 from .tokenizer_kinds import other_backend
+from .tokenizer_declarations import is_transformers_tokenizer, transformers_backend, with_declared_tokens
 
 TokenizerLike = Union[str, os.PathLike, Tokenizer, TokenizerBackend]
 
 
 def load_tokenizer(tokenizer: TokenizerLike) -> Tokenizer | TokenizerBackend:
     """A private copy of the tokenizer with truncation and padding off (documents are never cut);
-    a tiktoken or SentencePiece tokenizer as its backend (format.tokenizer_backends)."""
+    a tiktoken or SentencePiece tokenizer as its backend (format.tokenizer_backends).
+
+    A model folder gives its tokenizer.json with the tokens its tokenizer_config.json adds (as
+    transformers adds them: tokenizer_declarations); a transformers fast tokenizer, its backend.
+    """
     if (backend := other_backend(tokenizer)) is not None:  # tiktoken, SentencePiece
         return backend
+    if is_transformers_tokenizer(tokenizer):  # (transformers itself is never imported here)
+        tokenizer = transformers_backend(tokenizer)
     if isinstance(tokenizer, Tokenizer):
         return tokenizer_from_json(tokenizer.to_str())
     if not isinstance(tokenizer, (str, os.PathLike)):
-        raise TypeError(f"tokenizer must be a tokenizer.json path or a tokenizers.Tokenizer, "
+        raise TypeError(f"tokenizer must be a tokenizer.json path, a model folder, a "
+                        f"tokenizers.Tokenizer, a transformers fast tokenizer, a SentencePiece "
+                        f".model path, tc.tiktoken_tokenizer(...) or a tiktoken.Encoding, "
                         f"not {type(tokenizer).__name__}")
     path = os.fspath(tokenizer)
-    if os.path.isdir(path):  # a model folder: its tokenizer.json, if any link to it stays inside
+    folder = path if os.path.isdir(path) else None
+    if folder is not None:  # a model folder: its tokenizer.json, if any link to it stays inside
         path = model_file_path(path, "tokenizer.json") or os.path.join(path, "tokenizer.json")
     try:
         with open(path, "rb") as f:
@@ -38,9 +48,10 @@ def load_tokenizer(tokenizer: TokenizerLike) -> Tokenizer | TokenizerBackend:
         raise FileNotFoundError(f"tokenizer {path!r} does not exist; pass a tokenizer.json "
                                 "path or a tokenizers.Tokenizer") from None
     try:
-        return tokenizer_from_json(data.decode("utf-8"))
+        tok = tokenizer_from_json(data.decode("utf-8"))
     except Exception as e:  # the tokenizers library reports a bad file as a plain Exception
         raise ValueError(f"tokenizer {path!r} could not be loaded as a tokenizer.json: {e}") from None
+    return tok if folder is None else with_declared_tokens(tok, folder)
 
 
 def tokenizer_from_json(text: str) -> Tokenizer:
