@@ -9,6 +9,7 @@ import json
 import lzma
 import random
 import re
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -487,3 +488,25 @@ def test_a_lost_block_is_repaired_with_the_caches_own_tokenizer(tmp_path, kind, 
     block.unlink()
     assert tc.repair_cache(str(out)).repaired == ["blocks/000000-000001.safetensors"]
     assert block.read_bytes() == good
+
+
+def test_a_model_folder_with_only_a_sentencepiece_model_uses_it(tmp_path, sp_models, books):
+    folder = tmp_path / "llama2-like"
+    folder.mkdir()
+    shutil.copy(sp_models["bpe"], folder / "tokenizer.model")
+    texts = [b["text"][:3000] for b in books[:3]]
+    path = tmp_path / "t.jsonl"
+    path.write_text("".join(json.dumps({"text": t}) + "\n" for t in texts))
+    cache = tc.TokenCache(tc.build_cache([str(path)], tmp_path / "c", str(folder), progress=False).path)
+    sp = spm.SentencePieceProcessor(model_file=sp_models["bpe"])
+    assert cache.spec["tokenizer"]["kind"] == "sentencepiece"
+    for d, text in enumerate(texts):
+        assert cache.document(d).tolist() == sp.encode(text) + [sp.eos_id()]
+    outside = tmp_path / "elsewhere"
+    outside.mkdir()
+    (outside / "tokenizer.model").symlink_to(folder / "tokenizer.model")
+    linked = tmp_path / "linked"
+    linked.mkdir()
+    (linked / "tokenizer.model").symlink_to(outside / "tokenizer.model")
+    with pytest.raises(ValueError, match="outside the model folder"):
+        tc.build_cache([str(path)], tmp_path / "c2", str(linked), progress=False)

@@ -11,6 +11,7 @@ from ..errors import CacheFormatError
 from . import sentencepiece_backend, tiktoken_backend
 from .sentencepiece_backend import SentencePieceTokenizer
 from .tiktoken_backend import TiktokenTokenizer
+from .model_folder import model_file_path
 from .tokenizer_backends import TokenizerBackend, check_backend_files
 
 
@@ -39,7 +40,8 @@ def cache_backend(spec_tokenizer: dict[str, Any], files: Mapping[str, bytes],
 
 def other_backend(tokenizer: Any) -> TokenizerBackend | None:
     """`tokenizer` as a tiktoken or SentencePiece backend when it is one (a backend, a
-    ``tiktoken.Encoding``, a ``tiktoken:PATH[:PATTERN]`` string, a ``.model`` path); None for
+    ``tiktoken.Encoding``, a ``tiktoken:PATH[:PATTERN]`` string, a ``.model`` path, a model
+    folder with a ``tokenizer.model`` and no ``tokenizer.json``); None for
     anything else (a Hugging Face tokenizer, or a mistake load_tokenizer reports)."""
     if isinstance(tokenizer, TokenizerBackend):
         return tokenizer
@@ -56,4 +58,8 @@ def other_backend(tokenizer: Any) -> TokenizerBackend | None:
                          "regex, special_tokens={...}), or 'tiktoken:PATH[:PATTERN]'")
     if isinstance(path, str) and path.endswith(".model") and not os.path.isdir(path):
         return sentencepiece_backend.sentencepiece_tokenizer(path)
+    if os.path.isdir(path) and model_file_path(path, "tokenizer.json") is None:
+        model = model_file_path(path, "tokenizer.model")  # a SentencePiece folder (Llama 2 style)
+        if model is not None:
+            return sentencepiece_backend.sentencepiece_tokenizer(model)
     return None
