@@ -1,7 +1,7 @@
 """Records of arrays (issue 32): build overhead, storage overhead and read speed, in one run.
 
     python tools/bench_arrays.py [--records 400] [--rounds 3] [--tmp DIR] [--keep]
-                                 [--litdata VENV_PYTHON]
+                                 [--speech DIR] [--litdata VENV_PYTHON]
 
 A synthetic speech-like corpus, no audio needed: a small JSON lines file of (text, seed, frames)
 records, frames drawn 100..1500 (seeded), and a lazy pipeline whose map, ``featurize``, makes
@@ -29,6 +29,20 @@ the features never sit in a JSON file. It measures:
    beforehand), batch size and W. Rates are records/s over the epoch after its first batch
    (worker start-up excluded), in interleaved rounds; a ratio is the median over rounds of
    ours / baseline in the same round (acceptance: >= 0.9 with W = 2).
+1b. with real speech (``--speech DIR``, default ``/work/shared/data/speech`` where it exists; pass
+   ``--speech ''`` to skip): the same build overhead with a real featurize, examples/speech.py's
+   own ``featurize`` (soundfile decodes the FLAC, transformers' ``WhisperFeatureExtractor``
+   makes float32 ``[frames, 80]`` log-mel features), over DIR's webdataset tars of
+   ``<key>.flac`` + ``<key>.txt``: featurize alone over every sample (read from the tars into
+   memory first, then featurized serially in this process, after one untimed call that imports
+   soundfile and transformers) against ``tc.source("DIR/*.tar").map(featurize).tokenize(gpt2, arrays=
+   ("input_features",), num_workers=1).cache(dir)`` (reading the tars, featurize, tokenizing,
+   writing, fsync). num_workers=1 builds inline, in this process, one sample after the other:
+   the same parallelism (none) as featurize alone. Also timed: the text-only build of the same
+   tars (a map that keeps the transcript), to show what storing the arrays adds: (build with
+   arrays - text-only build) / featurize. The three are timed in --rounds interleaved rounds (each
+   round in another order); ratios are medians of each round's own. Every sample's features are
+   then read back and compared with featurize's, bit for bit.
 4. with ``--litdata PYTHON`` (a venv with litdata and torch, e.g. ``python -m venv V &&
    V/bin/pip install litdata torch``): this script re-run under that Python optimizes the same
    records once (``litdata.optimize``, into TMP/litdata) and reads one shuffled epoch of
@@ -62,6 +76,7 @@ import torch.utils.data as tud
 HERE = os.path.dirname(os.path.abspath(__file__))
 TOKENIZER_GZ = os.path.join(HERE, "..", "tests", "data", "gpt2-tokenizer.json.gz")
 MELS, BATCH, FIELD = 80, 8, "input_features"
+DEFAULT_SPEECH = "/work/shared/data/speech"
 WORDS = ("the quick brown fox jumps over a lazy dog while seven speakers read short "
          "sentences aloud into a microphone at sixteen kilohertz").split()
 
@@ -96,6 +111,83 @@ def featurize(r: dict) -> dict:
 def read_corpus(path: str) -> list[dict]:
     with open(path, encoding="utf-8") as f:
         return [json.loads(line) for line in f]
+
+
+def speech_samples(folder: str) -> list[dict]:
+    """Every webdataset sample of ``folder``'s tars, in order: {"__key__", ext: bytes, ...}, as
+    the pipeline's source gives them to a map."""
+    import tarfile
+
+    samples: list[dict] = []
+    for path in sorted(glob.glob(os.path.join(folder, "*.tar"))):
+        with tarfile.open(path) as tar:
+            for member in tar:
+                if not member.isfile():
+                    continue
+                directory, _, base = member.name.rpartition("/")
+                stem, _, ext = base.partition(".")
+                key = f"{directory}/{stem}" if directory else stem
+                if not samples or samples[-1]["__key__"] != key:
+                    samples.append({"__key__": key})
+                samples[-1][ext] = tar.extractfile(member).read()
+    return samples
+
+
+def transcript(r: dict) -> dict:
+    """The text-only build's map over the speech samples: the transcript alone."""
+    return {"text": r["txt"].decode("utf-8").strip()}
+
+
+def speech_build(folder: str, tmp: str, tokenizer: str, tc, rounds: int) -> dict:
+    """Build overhead with examples/speech.py's featurize over ``folder``'s tars (see 1b), in
+    ``rounds`` interleaved rounds of (featurize alone, build with arrays, text-only build), each
+    round in another order; the ratios are medians of the rounds' own ratios."""
+    sys.path.insert(0, os.path.join(HERE, "..", "examples"))
+    from speech import featurize as speech_featurize
+
+    samples = speech_samples(folder)
+    speech_featurize(samples[0])  # its first call imports soundfile and transformers: not timed
+    pattern = os.path.join(folder, "*.tar")
+    out, text_out = os.path.join(tmp, "cache-speech"), os.path.join(tmp, "cache-speech-text")
+
+    def featurize_all() -> float:
+        t = time.perf_counter()
+        for r in samples:
+            speech_featurize(r)
+        return time.perf_counter() - t
+
+    def build() -> float:
+        shutil.rmtree(out, ignore_errors=True)
+        t = time.perf_counter()
+        tc.source(pattern).map(speech_featurize).tokenize(
+            tokenizer, arrays=(FIELD,), num_workers=1, progress=False).cache(out)
+        return time.perf_counter() - t
+
+    def text_build() -> float:
+        shutil.rmtree(text_out, ignore_errors=True)
+        t = time.perf_counter()
+        tc.source(pattern).map(transcript).tokenize(tokenizer, num_workers=1, progress=False).cache(text_out)
+        return time.perf_counter() - t
+
+    steps = [("feat", featurize_all), ("build", build), ("text", text_build)]
+    times: dict[str, list[float]] = {name: [] for name, _ in steps}
+    for rnd in range(rounds):
+        for name, step in steps[rnd % 3:] + steps[:rnd % 3]:
+            times[name].append(step())
+    cache = tc.TokenCache(out)
+    assert cache.num_documents == len(samples), (cache.num_documents, len(samples))
+    by_key = {r["__key__"]: r for r in samples}
+    frames = 0
+    for d in range(cache.num_documents):  # read back: what featurize made, bit for bit
+        expected = speech_featurize(by_key[cache.document_key(d)])[FIELD]
+        got = cache.document_arrays(d)[FIELD]
+        assert got.dtype == expected.dtype and got.tobytes() == expected.tobytes(), d
+        frames += len(got)
+    med = {name: statistics.median(v) for name, v in times.items()}
+    return {"samples": len(samples), "frames": frames, "times": times, "median": med,
+            "ratio": statistics.median(b / f for b, f in zip(times["build"], times["feat"])),
+            "storing": statistics.median((b - t) / f for b, t, f in
+                                         zip(times["build"], times["text"], times["feat"]))}
 
 
 # ---- raw baseline ----------------------------------------------------------------------------
@@ -219,6 +311,10 @@ def main() -> None:
     p.add_argument("--threads", type=int, default=1, help="torch threads in the main process "
                    "(default 1, as in DataLoader workers: on a busy machine more threads make the "
                    "padding of in-process loaders tens of times slower)")
+    p.add_argument("--speech", default=DEFAULT_SPEECH if os.path.isdir(DEFAULT_SPEECH) else "",
+                   metavar="DIR", help="webdataset tars of FLAC + transcripts: also measure the "
+                   "build overhead with examples/speech.py's real featurize (default "
+                   f"{DEFAULT_SPEECH} where it exists; '' skips it)")
     p.add_argument("--litdata-child", default=None, help=argparse.SUPPRESS)
     args = p.parse_args()
     torch.set_num_threads(args.threads)
@@ -264,6 +360,7 @@ def main() -> None:
         t = time.perf_counter()
         tc.source(corpus).tokenize(tokenizer, num_workers=1, progress=False).cache(text_out)
         text_s = time.perf_counter() - t
+        speech = speech_build(args.speech, tmp, tokenizer, tc, args.rounds) if args.speech else None
 
         # 2. storage overhead
         arrays_b = dir_bytes(os.path.join(out, "**", "*.arrays.safetensors"))
@@ -333,6 +430,20 @@ def main() -> None:
               f"build of the same texts {text_s:.2f} s, so storing the arrays adds "
               f"{build_s - feat_s - text_s:.2f} s "
               f"({100 * (build_s - feat_s - text_s) / feat_s:+.1f}% of featurize)")
+        if speech is not None:
+            sp, med = speech, speech["median"]
+            print(f"speech  {sp['samples']} samples of {args.speech} ({sp['frames']:,} frames), "
+                  f"{args.rounds} interleaved rounds, medians: featurize alone (examples/speech.py) "
+                  f"{med['feat']:.2f} s; pipeline build with arrays {med['build']:.2f} s; text-only "
+                  f"build {med['text']:.2f} s; ratio build/featurize {sp['ratio']:.3f} (overhead "
+                  f"{100 * (sp['ratio'] - 1):+.1f}%); (build with arrays - text-only build)/featurize "
+                  f"{sp['storing']:.3f}, so storing the arrays adds {100 * (sp['storing'] - 1):+.1f}% "
+                  f"of featurize (rounds: " + ", ".join(
+                      f"{b:.2f}/{t:.2f}/{f:.2f}" for b, t, f in zip(sp['times']['build'],
+                                                                   sp['times']['text'], sp['times']['feat']))
+                  + " s build/text/featurize)")
+        else:
+            print("speech  not measured (no --speech DIR)")
         print(f"storage arrays sidecars {arrays_b:,} B + docs sidecars growth "
               f"{docs_b - docs_text_b:+,} B vs raw arrays {raw_bytes:,} B: overhead "
               f"{100 * (storage - raw_bytes) / raw_bytes:+.3f}%  (whole cache {total_b:,} B, "

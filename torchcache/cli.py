@@ -511,8 +511,9 @@ def _trace_line(piece: dict[str, Any]) -> str:
         return f"{source}item {piece['index']} (not a cache)"
     where = piece["input"] if piece["record"] is None else f"{piece['input']}:{piece['record'] + 1}"
     fields = f"  {json.dumps(piece['fields'], ensure_ascii=False)}" if piece["fields"] else ""
+    key = f"  key {piece['key']}" if piece.get("key") is not None else ""
     return (f"{source}document {piece['document']} tokens {piece['start']}:{piece['end']}  "
-            f"{where}{fields}  {piece['text']!r}")
+            f"{where}{key}{fields}  {piece['text']!r}")
 
 
 def _trace_loader(args: argparse.Namespace) -> Any:
@@ -523,16 +524,27 @@ def _trace_loader(args: argparse.Namespace) -> Any:
         raise ValueError(f"--state {args.state}: not a DataLoader state (a JSON object from "
                          "loader.state_dict())")
     is_cache = _is_cache(args.target, args.storage_options)
+    # a state saved over a DocumentDataset says so (its fingerprint ends in "/documents")
+    saved = (state or {}).get("fingerprint")
+    documents = args.documents or (args.seq_len is None and not args.packed and
+                                   isinstance(saved, str) and saved.endswith("/documents"))
     if is_cache:
-        if args.seq_len is None:
+        cache = TokenCache(args.target, storage_options=args.storage_options)
+        if documents:
+            if args.seq_len is not None or args.packed:
+                raise ValueError("--documents reads whole documents: drop --seq-len and --packed")
+            dataset = torchcache.DocumentDataset(cache)
+        elif args.seq_len is None:
             raise ValueError(f"{args.target} is a cache: give --seq-len (and --packed for "
-                             "PackedDataset rows)")
-        kind = torchcache.PackedDataset if args.packed else torchcache.TokenDataset
-        dataset = kind(TokenCache(args.target, storage_options=args.storage_options), args.seq_len)
+                             "PackedDataset rows), or --documents for DocumentDataset items")
+        else:
+            kind = torchcache.PackedDataset if args.packed else torchcache.TokenDataset
+            dataset = kind(cache, args.seq_len)
         global_batch = None
     else:
-        if args.seq_len is not None or args.packed:
-            raise ValueError("--seq-len and --packed are for a cache; a recipe names its own")
+        if args.seq_len is not None or args.packed or args.documents:
+            raise ValueError("--seq-len and --packed are for a cache, as is --documents; a "
+                             "recipe names its own")
         dataset = torchcache.MixtureDataset.from_recipe(args.target)
         global_batch = plan_recipe(args.target).global_batch
     # (0 is refused, not taken for "not given")
@@ -869,6 +881,9 @@ def make_parser() -> argparse.ArgumentParser:
     t.add_argument("--seq-len", type=int, default=None, help="for a cache: tokens per sample")
     t.add_argument("--packed", action="store_true",
                    help="for a cache: PackedDataset rows instead of TokenDataset windows")
+    t.add_argument("--documents", action="store_true",
+                   help="for a cache: whole documents (DocumentDataset items; implied by a "
+                        "--state saved over one)")
     t.add_argument("--batch-size", type=int, default=None,
                    help="samples per rank (default: the state's, or the recipe's global_batch)")
     t.add_argument("--world-size", type=int, default=None, help="ranks (default: the state's, or 1)")

@@ -39,8 +39,9 @@ __all__ = ["Pipeline", "PipelineCache", "source"]
 
 def source(inputs: Any, *, text_key: str = "text",
            storage_options: dict[str, Any] | None = None) -> "Pipeline":
-    """The start of a lazy pipeline over `inputs` (JSON lines or webdataset tar paths, globs or
-    URLs, or an iterator of dicts): each record is a dict (a tar's sample as webdataset makes it:
+    """The start of a lazy pipeline over `inputs` (JSON lines, Parquet or webdataset tar paths,
+    globs or URLs, or an iterator of dicts): each record is a dict (a Parquet row as pyarrow's
+    `to_pylist` makes it, list columns as lists; a tar's sample as webdataset makes it:
     `{"__key__", "__url__", extension: bytes, ...}`); after the steps, its `text_key` field, a
     string, is tokenized. Nothing is read until :meth:`Pipeline.cache`."""
     if not isinstance(text_key, str) or not text_key:
@@ -121,7 +122,7 @@ class PipelineCache(TokenCache):
 
 _BUILD_OPTIONS = {"block_tokens", "num_workers", "on_error", "executor", "eos", "bos",
                   "special_tokens_as_text", "progress", "allow_empty", "input_format",
-                  "chat_template", "train_on", "keep_fields", "arrays"}
+                  "chat_template", "train_on", "keep_fields", "arrays", "token_arrays"}
 
 
 def _build_options(**options: Any) -> dict[str, Any]:

@@ -16,7 +16,7 @@ from .._util.args import bool_arg, choice_arg, int_arg, optional_int_arg
 from .engine import BuildResult, progress_enabled, run_build
 from .formats import INPUT_FORMATS, check_train_on
 from .handle import BuildHandle
-from ..format.arrays import parse_declarations
+from ..format.arrays import merged_declarations
 from ..format.tokenizer import TokenizerLike
 
 
@@ -30,7 +30,8 @@ def build_cache(inputs: Any, output: str | os.PathLike, tokenizer: TokenizerLike
                 input_format: str = "text", chat_template: str | os.PathLike | None = None,
                 train_on: str = "assistant",
                 keep_fields: Sequence[str] = (),
-                arrays: Sequence[str] | dict[str, str | None] = ()) -> "BuildResult | BuildHandle":
+                arrays: Sequence[str] | dict[str, str | None] = (),
+                token_arrays: Sequence[str] | dict[str, str | None] = ()) -> "BuildResult | BuildHandle":
     """Tokenize `inputs` into a cache at `output`.
 
     Re-running a finished build with the same arguments is a cheap no-op; an interrupted build
@@ -71,7 +72,8 @@ def build_cache(inputs: Any, output: str | os.PathLike, tokenizer: TokenizerLike
             with the chat template); "prompt_completion" ({"prompt", "completion"}, joined as
             given, the completion trained); "tokens" ({"input_ids", "loss_mask"} or
             {"input_ids", "labels"} with -100 where not trained). All but "text" store a loss
-            mask (format v3) and read JSON lines files or an iterable of dicts.
+            mask (format v3) and read JSON lines or Parquet files (each row a dict; list columns
+            are lists) or an iterable of dicts.
         chat_template: for "messages": Jinja text, a .jinja or JSON file, or None for the
             tokenizer's own (tokenizer_config.json or chat_template.jinja beside tokenizer.json).
         train_on: "assistant" (every assistant turn), "last_assistant" or "all" (every token).
@@ -79,6 +81,10 @@ def build_cache(inputs: Any, output: str | os.PathLike, tokenizer: TokenizerLike
         arrays: record fields kept as typed arrays (cache.document_arrays): names, or a dict
             name -> "dtype[dims]" ("float16[*, 80]"; "*" any size) or None. Undeclared, a field's
             dtype and rank are its first record's. Values: nested lists, numpy arrays, tensors.
+        token_arrays: for input_format="tokens": record fields with one row per input id
+            (per-token weights), names or a dict name -> "dtype[*, dims]" (rank 1 unless
+            declared). Checked against the ids' count; BOS/EOS added here get 0. TokenDataset,
+            PackedDataset (padding 0) and mixtures slice them like input_ids.
 
     Example (usually `tokenizer` is a tokenizer.json path and `inputs` a glob like
     "data/*.jsonl"):
@@ -106,7 +112,8 @@ def build_cache(inputs: Any, output: str | os.PathLike, tokenizer: TokenizerLike
                                 storage_options=storage_options, vocab_size=vocab_size,
                                 allow_empty=allow_empty, input_format=input_format,
                                 chat_template=chat_template, train_on=train_on,
-                                keep_fields=keep_fields, arrays=arrays)
+                                keep_fields=keep_fields, arrays=arrays,
+                                token_arrays=token_arrays)
     progress = None if progress is None else bool_arg(progress, "progress")
     if bool_arg(background, "background"):
         return BuildHandle.start(inputs, output, tokenizer, kwargs)
@@ -116,7 +123,7 @@ def build_cache(inputs: Any, output: str | os.PathLike, tokenizer: TokenizerLike
 def checked_build_arguments(*, text_key, block_tokens, num_workers, on_error, executor, eos, bos,
                             special_tokens_as_text, storage_options, vocab_size, allow_empty,
                             input_format, chat_template, train_on, keep_fields,
-                            arrays=()) -> dict[str, Any]:
+                            arrays=(), token_arrays=()) -> dict[str, Any]:
     """The build's arguments, each checked (type and value) before anything is read or written,
     as plain Python values (a numpy integer or bool becomes an int or a bool: they go into JSON)."""
     if not isinstance(text_key, str) or not text_key:
@@ -132,6 +139,11 @@ def checked_build_arguments(*, text_key, block_tokens, num_workers, on_error, ex
         raise ValueError(f"chat_template is for input_format='messages', not {input_format!r}")
     if isinstance(keep_fields, str) or not all(isinstance(k, str) and k for k in keep_fields):
         raise TypeError(f"keep_fields must be a list of field names, not {keep_fields!r}")
+    merged_declarations(arrays, token_arrays)  # refuses bad names and declarations, before any work
+    if _given(token_arrays) and input_format != "tokens":
+        raise ValueError(f"token_arrays needs input_format='tokens' (pre-tokenized records, whose "
+                         f"token count the arrays must match), not {input_format!r}; keep "
+                         "document-level arrays with arrays=")
     if special_tokens_as_text is None:
         special_tokens_as_text = input_format != "messages"
     elif bool_arg(special_tokens_as_text, "special_tokens_as_text") and input_format == "messages":
@@ -147,14 +159,17 @@ def checked_build_arguments(*, text_key, block_tokens, num_workers, on_error, ex
                 vocab_size=optional_int_arg(vocab_size, "vocab_size", minimum=1, maximum=2 ** 32),
                 allow_empty=bool_arg(allow_empty, "allow_empty"), input_format=input_format,
                 chat_template=chat_template, train_on=check_train_on(train_on),
-                keep_fields=tuple(keep_fields), arrays=_arrays_arg(arrays))
+                keep_fields=tuple(keep_fields), arrays=_arrays_arg(arrays),
+                token_arrays=_arrays_arg(token_arrays))
+
+
+def _given(arrays: Any) -> bool:
+    return not (arrays is None or (not isinstance(arrays, (str, dict)) and not len(arrays)))
 
 
 def _arrays_arg(arrays: Any) -> dict[str, str | None] | None:
-    """`arrays=` checked, as a JSON-able dict name -> declaration (None: none declared)."""
-    if arrays is None or (not isinstance(arrays, (str, dict)) and not len(arrays)):
+    """`arrays=` (or `token_arrays=`), checked by merged_declarations, as a JSON-able dict
+    name -> declaration (None: none declared)."""
+    if not _given(arrays):
         return None
-    declared = parse_declarations(arrays)  # refuses bad names and declarations, before any work
-    if isinstance(arrays, dict):
-        return {name: arrays[name] for name in declared}
-    return {name: None for name in declared}
+    return {name: arrays[name] if isinstance(arrays, dict) else None for name in sorted(arrays)}

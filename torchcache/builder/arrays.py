@@ -105,3 +105,23 @@ def _cast(array: np.ndarray, dtype: np.dtype, bad: Any) -> np.ndarray:
     if dtype.kind == "f" and array.dtype.kind in "iuf" and not np.all(np.isfinite(out) | ~np.isfinite(array)):
         raise bad(f"holds values too large for {dtype}")
     return out
+
+
+def check_token_rows(arrays: dict[str, np.ndarray], names: tuple[str, ...], num_ids: int) -> None:
+    """BadRecord "bad_array" unless each per-token field has one row per input id."""
+    for name in names:
+        rows = len(arrays[name])
+        if rows != num_ids:
+            raise BadRecord("bad_array", f"per-token array field {name!r} has {rows} rows, the "
+                                         f"record has {num_ids} input_ids (token_arrays need one "
+                                         "row per input id)")
+
+
+def pad_token_rows(array: np.ndarray, before: int, after: int) -> np.ndarray:
+    """A per-token field with zero rows for the `before` ids prepended (BOS) and the `after`
+    ids appended (EOS) to its document."""
+    if not before and not after:
+        return array
+    out = np.zeros((before + len(array) + after,) + array.shape[1:], dtype=array.dtype)
+    out[before: before + len(array)] = array
+    return out

@@ -33,7 +33,7 @@ from ..format.tokenizer_backends import TokenizerBackend
 from ..format.tokenizer_declarations import tokenizer_declarations
 from .tokenizing import special_token_id
 from .chat import ChatTemplate, load_chat_template, split_role_markers
-from ..format.arrays import parse_declarations
+from ..format.arrays import merged_declarations
 from .formats import documents_spec
 from .functions import function_fingerprint, pack_function
 from .worker import BlockWritten, BuildJob, build_input
@@ -90,6 +90,7 @@ def run_build(inputs: Any, output: str | os.PathLike, tokenizer: TokenizerLike |
               should_stop: Callable[[], bool] | None = None, input_format: str = "text",
               chat_template: Any = None, train_on: str = "assistant",
               keep_fields: tuple[str, ...] = (), arrays: dict[str, Any] | None = None,
+              token_arrays: dict[str, Any] | None = None,
               pipeline: tuple[tuple[str, Callable[[Any], Any]], ...] = ()) -> BuildResult:
     """Build (or resume, or confirm) the cache; the arguments are `build_cache`'s, checked, and
     `pipeline`: a lazy pipeline's filter and map steps, ("filter" | "map", function), applied to
@@ -98,14 +99,16 @@ def run_build(inputs: Any, output: str | os.PathLike, tokenizer: TokenizerLike |
     storage = open_storage(output, storage_options)
     resolved = resolve_inputs(inputs, storage_options)
     sources = resolved if isinstance(resolved, list) else None
-    whole = input_format != "text" or bool(keep_fields) or bool(arrays) or bool(pipeline)  # read whole
-    if whole:  # JSON lines objects; a pipeline also takes tar samples (bytes, for its steps)
+    declared = merged_declarations(arrays, token_arrays)
+    whole = input_format != "text" or bool(keep_fields) or bool(declared) or bool(pipeline)  # read whole
+    if whole:  # JSON lines objects, Parquet rows; a pipeline also takes tar samples (bytes)
         for s in sources or []:
-            if s.kind != "jsonl" and not (s.kind == "wds" and pipeline):
+            if s.kind not in ("jsonl", "parquet") and not (s.kind == "wds" and pipeline):
                 raise ValueError(f"{s.path}: input_format={input_format!r}, keep_fields, arrays and "
                                  "pipelines "
-                                 "read JSON lines files (or an iterable of dicts; pipelines also "
-                                 f"webdataset tars), not {s.kind} inputs; convert it to JSON lines"
+                                 "read JSON lines or Parquet files (or an iterable of dicts; "
+                                 f"pipelines also webdataset tars), not {s.kind} inputs; convert it "
+                                 "to JSON lines"
                                  + (" or read it with tc.source(...)" if s.kind == "wds" else ""))
     if tokenizer is None:
         tok = None
@@ -135,8 +138,7 @@ def run_build(inputs: Any, output: str | os.PathLike, tokenizer: TokenizerLike |
         beside = not (isinstance(tokenizer, str) and tokenizer.startswith("tiktoken:"))
         template = load_chat_template(tokenizer if beside else None, chat_template)
         _warn_split_markers(template, tok)
-    documents = documents_spec(input_format, keep_fields, template, train_on,
-                               parse_declarations(arrays) if arrays else None)
+    documents = documents_spec(input_format, keep_fields, template, train_on, declared or None)
     spec = {
         "tokenizer": tokenizer_spec,
         "vocab_size": vocab_size,

@@ -21,7 +21,7 @@ from typing import Any, Sequence
 import numpy as np
 
 from ..format.arrays import ArrayDeclaration, declarations_from_spec
-from .arrays import ArrayConverter
+from .arrays import ArrayConverter, check_token_rows
 from .chat import ChatTemplate, TRAIN_ON, render_record
 from .records import BadRecord
 
@@ -77,6 +77,7 @@ class RecordShaper:
         self.keep = tuple(documents.get("keep_fields", ()))
         declared = declarations_from_spec(documents)
         self.arrays = ArrayConverter(declared) if declared else None
+        self.per_token = tuple(name for name, d in declared.items() if d.per_token)
         source = documents.get("chat_template")
         self.template = None if source is None else ChatTemplate(
             source, documents.get("chat_special_tokens") or {}, name=template_name, now=BUILD_MOMENT)
@@ -94,7 +95,10 @@ class RecordShaper:
             shaped = Shaped(text=text, spans=spans, fields=fields)
         if self.arrays is None:
             return shaped
-        return dataclasses.replace(shaped, arrays=self.arrays(obj))
+        arrays = self.arrays(obj)
+        if shaped.ids is not None:
+            check_token_rows(arrays, self.per_token, len(shaped.ids))
+        return dataclasses.replace(shaped, arrays=arrays)
 
     def _fields(self, obj: Any) -> bytes:
         if not isinstance(obj, dict):

@@ -30,6 +30,7 @@ from ..errors import InputError
 from .records import (ITERABLE_PATH, SINCE_BUILD, SINCE_READ, BadRecord, CountingReader, InputSource,
                       Record, RecordNumbering, decode_utf8, json_object, json_text, skipped_record,
                       unreadable_record)
+from .parquet_rows import BatchRows
 from .wds import Sample, decode_tokens, iter_samples, parse_member_spec, sample_record
 
 _JSONL = (".jsonl", ".ndjson")
@@ -291,8 +292,8 @@ def iter_records(source: InputSource, text_key: str | None, start: int, on_error
                  storage_options: dict[str, Any] | None = None, tokens: bool = False,
                  start_digest: str | None = None) -> Iterator[Record]:
     """Records of one file input after record `start`; malformed ones raise or are skipped.
-    `text_key` None reads each record whole (`Record.obj`: a JSON lines object, or a tar's
-    sample as webdataset makes it).
+    `text_key` None reads each record whole (`Record.obj`: a JSON lines object, a Parquet row
+    as a dict, or a tar's sample as webdataset makes it).
 
     `start_digest` is the digest of record `start` when it was consumed: the records skipped
     must hash to it, else InputChangedError (None: no check, for caches made before digests).
@@ -409,9 +410,10 @@ def _txt_records(source: InputSource, stream: io.BufferedReader, counted: Counti
     numbering.check_end()
 
 
-def _read_parquet(source: InputSource, text_key: str, on_error: str, options: dict[str, Any],
+def _read_parquet(source: InputSource, text_key: str | None, on_error: str, options: dict[str, Any],
                   tokens: bool, numbering: RecordNumbering) -> Iterator[Record]:
-    """Rows of a Parquet file, read one row group at a time (never the whole file)."""
+    """Rows of a Parquet file, read one row group at a time (never the whole file); with
+    `text_key` None, whole (see _parquet_rows)."""
     try:
         import pyarrow as pa
         import pyarrow.parquet as pq
@@ -425,6 +427,9 @@ def _read_parquet(source: InputSource, text_key: str, on_error: str, options: di
             pf = pq.ParquetFile(counted)
         except damage as e:
             yield _unreadable(source, numbering, "not a readable Parquet file", e, counted, on_error)
+            return
+        if text_key is None:
+            yield from _parquet_rows(pa, pf, source, counted, on_error, numbering)
             return
         if text_key not in pf.schema_arrow.names:
             raise InputError(f"{source.path}: no column {text_key!r} (columns: "
@@ -468,6 +473,51 @@ def _parquet_record(source: InputSource, number: int, value: Any, is_text: bool,
     except BadRecord as bad:
         return skipped_record(f"{source.path}:{number}", bad, on_error, number, position, digest=digest)
     return Record(number, text, None, position, digest=digest)
+
+
+_ROW_BATCH_BYTES = 8 << 20  # Arrow bytes of the rows read whole at a time (per the row group's size)
+_ROW_BATCH_ROWS = 4096
+
+
+def _parquet_rows(pa, pf, source: InputSource, counted: CountingReader, on_error: str,
+                  numbering: RecordNumbering) -> Iterator[Record]:
+    """Each row of a Parquet file as a dict of column -> Python value (list columns as lists),
+    read in record batches of about _ROW_BATCH_BYTES (never a whole row group of large rows);
+    rows before the resume point are hashed, not made into Python values."""
+    damage = (OSError, pa.ArrowException)
+    total, done = max(pf.metadata.num_rows, 1), 0
+    for group in range(pf.num_row_groups):
+        meta = pf.metadata.row_group(group)
+        size = max(1, min(_ROW_BATCH_ROWS, _ROW_BATCH_BYTES * meta.num_rows // max(meta.total_byte_size, 1)))
+        batches = pf.iter_batches(batch_size=size, row_groups=[group], use_threads=False)
+        while True:
+            try:
+                batch = next(batches, None)
+            except damage as e:
+                yield _unreadable(source, numbering, f"cannot read row group {group}", e, counted, on_error)
+                return
+            if batch is None:
+                break
+            rows = BatchRows(pa, batch)
+            done += batch.num_rows
+            position = int(source.size * done / total) if source.size else 0
+            for i in range(batch.num_rows):
+                for tag, data in rows.frames(i):
+                    numbering.frame(tag, data)
+                if numbering.advance():
+                    yield _parquet_row(source, numbering, rows.row(i), position, on_error)
+    numbering.check_end()
+
+
+def _parquet_row(source: InputSource, numbering: RecordNumbering, row: dict[str, Any] | BadRecord,
+                 position: int, on_error: str) -> Record:
+    number = numbering.number
+    if isinstance(row, BadRecord):
+        bad = BadRecord(row.reason, f"row {number}: {row.detail}")
+        bad.__cause__ = row.__cause__
+        return skipped_record(f"{source.path}:{number}", bad, on_error, number, position,
+                              digest=numbering.digest())
+    return Record(number, None, None, position, digest=numbering.digest(), obj=row)
 
 
 def _read_tar(source: InputSource, text_key: str | None, on_error: str, options: dict[str, Any],

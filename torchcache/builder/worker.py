@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import pickle
 import traceback
+import weakref
 from dataclasses import dataclass, field, replace
 from typing import Any, Callable, Iterable, Iterator, Union
 
@@ -26,6 +27,7 @@ from .functions import unpack_function
 from ..format.arrays import arrays_name, write_arrays_file
 from ..format.tokenizer_backends import TokenizerBackend
 from ..format.tokenizer_kinds import backend_from_files
+from .arrays import pad_token_rows
 from ..format.documents import write_docs_file
 from ..format.provenance import RUNS_TENSOR, needs_runs, runs_of
 
@@ -238,6 +240,8 @@ class _BlockBuilder:
     def __init__(self, job: BuildJob, index: int, documents_before: int | None = 0):
         self.job, self.index = job, index
         self.masked = bool(job.documents and job.documents["loss_mask"])
+        self.per_token = {name for name, d in ((job.documents or {}).get("arrays") or {}).items()
+                          if d.get("per_token")}
         self.documents_before = documents_before  # the input's documents in earlier blocks
         self._reset()
 
@@ -259,7 +263,11 @@ class _BlockBuilder:
         if self.job.documents is not None:
             self.fields.append(shaped.fields if shaped.fields is not None else b"{}")
             for name, values in self.arrays.items():
-                values.append(shaped.arrays[name])
+                array = shaped.arrays[name]
+                if name in self.per_token:  # the BOS/EOS added around the record's ids get 0
+                    before = int(self.job.bos_id is not None)
+                    array = pad_token_rows(array, before, len(doc.ids) - len(array) - before)
+                values.append(array)
             if self.masked:
                 self.trained.append(doc.trained)
 
@@ -320,6 +328,24 @@ def run_steps(steps: list[tuple[str, Callable[[Any], Any]]], record: Any) -> Any
     return record
 
 
+_ENCODERS: dict[int, DocumentEncoder] = {}  # id(job) -> its encoder, while the job lives
+
+
+def _encoder_of(job: BuildJob, dtype: np.dtype) -> DocumentEncoder:
+    """The job's DocumentEncoder, made once per job in this process rather than once per input:
+    making one parses the tokenizer's JSON several times (tenths of a second per input). It
+    holds no state of an input; it goes with the job."""
+    encoder = _ENCODERS.get(id(job))
+    if encoder is None:
+        tokenizer = job.tokenizer_json if job.tokenizer_files is None else \
+            backend_from_files(*job.tokenizer_files)
+        encoder = DocumentEncoder(tokenizer, bos_id=job.bos_id, eos_id=job.eos_id,
+                                  dtype=dtype, special_tokens_as_text=job.special_tokens_as_text)
+        _ENCODERS[id(job)] = encoder
+        weakref.finalize(job, _ENCODERS.pop, id(job), None)
+    return encoder
+
+
 def _document_encoder(job: BuildJob) -> Callable[[list[tuple[Record, Any, Any]]], list[_Encoded]]:
     """A batch of (record, counts, shaped) -> encoded documents: the tokenizer for text (with
     each token's trained flag, from its characters, for chat and instruction records), BOS/EOS
@@ -340,10 +366,7 @@ def _document_encoder(job: BuildJob) -> Callable[[list[tuple[Record, Any, Any]]]
     if not job.has_tokenizer:
         return lambda batch: [wrap(r.tokens if s is None else s.ids, None if s is None else s.trained)
                               for r, _, s in batch]
-    tokenizer = job.tokenizer_json if job.tokenizer_files is None else \
-        backend_from_files(*job.tokenizer_files)
-    encoder = DocumentEncoder(tokenizer, bos_id=job.bos_id, eos_id=job.eos_id,
-                              dtype=dtype, special_tokens_as_text=job.special_tokens_as_text)
+    encoder = _encoder_of(job, dtype)
 
     def encode(batch: list[tuple[Record, Any, Any]]) -> list[_Encoded]:
         shaped = [s for _, _, s in batch]

@@ -42,31 +42,63 @@ def arrays_name(block_path: str) -> str:
 
 @dataclass(frozen=True)
 class ArrayDeclaration:
-    """A field's declared dtype and shape (None: fixed by the first record; a None dim: any)."""
+    """A field's declared dtype and shape (None: fixed by the first record; a None dim: any);
+    `per_token`: one row per token of the document (first dimension = its token count)."""
 
     dtype: str | None = None
     shape: tuple[int | None, ...] | None = None
+    per_token: bool = False
 
     def to_spec(self) -> dict[str, Any]:
-        return {"dtype": self.dtype, "shape": None if self.shape is None else list(self.shape)}
+        spec: dict[str, Any] = {"dtype": self.dtype, "shape": None if self.shape is None else list(self.shape)}
+        if self.per_token:  # (absent otherwise: caches with document arrays keep their bytes)
+            spec["per_token"] = True
+        return spec
 
 
-def parse_declarations(arrays: Any) -> dict[str, ArrayDeclaration]:
+def parse_declarations(arrays: Any, per_token: bool = False) -> dict[str, ArrayDeclaration]:
     """`arrays=` of build_cache: a sequence of field names, or a map name -> "dtype[d, ...]"
-    ("float16[*, 80]"; "*" any size; "float32" alone: any rank) or None (first record's)."""
+    ("float16[*, 80]"; "*" any size; "float32" alone: any rank) or None (first record's).
+
+    With `per_token` (`token_arrays=`): the first dimension is the document's token count, the
+    others are fixed ("float32[*, 8]"); a name alone or a dtype alone is rank 1."""
+    argument = "token_arrays" if per_token else "arrays"
     if isinstance(arrays, str):
-        raise TypeError(f"arrays must be a list of field names or a dict of declarations, not the "
-                        f"string {arrays!r} (write arrays=({arrays!r},))")
+        raise TypeError(f"{argument} must be a list of field names or a dict of declarations, not "
+                        f"the string {arrays!r} (write {argument}=({arrays!r},))")
     items = arrays.items() if isinstance(arrays, dict) else [(name, None) for name in arrays]
     out: dict[str, ArrayDeclaration] = {}
     for name, declared in items:
         if not isinstance(name, str) or not _FIELD_NAME.match(name) or name.endswith((".offsets", ".shapes")):
-            raise ValueError(f"arrays: field name {name!r} must be letters, digits, _ or -")
-        out[name] = ArrayDeclaration() if declared is None else _parse_one(name, declared)
+            raise ValueError(f"{argument}: field name {name!r} must be letters, digits, _ or -")
+        one = ArrayDeclaration() if declared is None else _parse_one(name, declared, argument)
+        out[name] = _per_token(name, declared, one) if per_token else one
     return dict(sorted(out.items()))
 
 
-def _parse_one(name: str, declared: Any) -> ArrayDeclaration:
+def _per_token(name: str, declared: Any, one: ArrayDeclaration) -> ArrayDeclaration:
+    """A token array's declaration: rank 1 unless its shape says more, whose first dimension
+    is '*' and whose other dimensions are sizes (rows of one shape, sliced like input_ids)."""
+    shape = one.shape if one.shape is not None else (None,)
+    if shape[0] is not None or any(d is None for d in shape[1:]):
+        raise ValueError(f"token_arrays[{name!r}] = {declared!r}: the first dimension is the "
+                         f"document's token count ('*') and the others are sizes, e.g. "
+                         f"'float32[*]' or 'float16[*, 8]'")
+    return ArrayDeclaration(one.dtype, shape, per_token=True)
+
+
+def merged_declarations(arrays: Any, token_arrays: Any) -> dict[str, ArrayDeclaration]:
+    """The fields of `arrays=` and `token_arrays=` together (a name in both is refused)."""
+    documents = parse_declarations(arrays or ())
+    tokens = parse_declarations(token_arrays or (), per_token=True)
+    both = sorted(set(documents) & set(tokens))
+    if both:
+        raise ValueError(f"field {both[0]!r} is in both arrays and token_arrays; name it in one "
+                         "(token_arrays: one row per token, sliced with the tokens)")
+    return dict(sorted((documents | tokens).items()))
+
+
+def _parse_one(name: str, declared: Any, argument: str) -> ArrayDeclaration:
     match = _DECLARATION.match(declared) if isinstance(declared, str) else None
     dtype = None
     if match:
@@ -75,14 +107,14 @@ def _parse_one(name: str, declared: Any) -> ArrayDeclaration:
         except TypeError:
             match = None
     if not match or dtype.newbyteorder("<") not in _NAMES and dtype not in _NAMES:
-        raise ValueError(f"arrays[{name!r}] = {declared!r}: write a numpy dtype and optional shape, "
+        raise ValueError(f"{argument}[{name!r}] = {declared!r}: write a numpy dtype and optional shape, "
                          f"e.g. 'float16[*, 80]' (dtypes: bool, uint8..uint64, int8..int64, "
                          "float16, float32, float64)")
     shape = None
     if match.group(2) is not None:
         dims = [d.strip() for d in match.group(2).split(",")]
         if not all(d == "*" or d.isdigit() for d in dims) or not dims or dims == [""]:
-            raise ValueError(f"arrays[{name!r}] = {declared!r}: each dimension is a size or '*'")
+            raise ValueError(f"{argument}[{name!r}] = {declared!r}: each dimension is a size or '*'")
         shape = tuple(None if d == "*" else int(d) for d in dims)
     return ArrayDeclaration(str(dtype), shape)
 
@@ -90,34 +122,40 @@ def _parse_one(name: str, declared: Any) -> ArrayDeclaration:
 def declarations_from_spec(spec: dict[str, Any] | None) -> dict[str, ArrayDeclaration]:
     """The declarations a spec's documents entry records ({} for a cache without arrays)."""
     arrays = (spec or {}).get("arrays") or {}
-    return {name: ArrayDeclaration(d["dtype"], None if d["shape"] is None else tuple(d["shape"]))
+    return {name: ArrayDeclaration(d["dtype"], None if d["shape"] is None else tuple(d["shape"]),
+                                   bool(d.get("per_token", False)))
             for name, d in arrays.items()}
 
 
 def write_arrays_file(storage: Storage, rel_path: str, fields: dict[str, Sequence[np.ndarray]]) -> fmt.WrittenFile:
     """Write a block's arrays sidecar (whole or not at all): per field, its documents' arrays
     (one dtype and rank per field)."""
-    tensors: dict[str, tuple[str, list[int], np.ndarray]] = {}
+    # each tensor as its pieces (a field: its documents' arrays), written one after the other:
+    # no concatenated copy of a field's values is made
+    tensors: dict[str, tuple[str, list[int], Sequence[np.ndarray]]] = {}
     for name, arrays in fields.items():
         rank = arrays[0].ndim if arrays else 1
         offsets = np.zeros(len(arrays) + 1, dtype=np.int64)
         np.cumsum([a.size for a in arrays], out=offsets[1:])
         dtype = arrays[0].dtype if arrays else np.dtype("f4")
-        data = np.concatenate([a.reshape(-1) for a in arrays]) if arrays else np.zeros(0, dtype)
         tensors[name] = (_NAMES[dtype.newbyteorder("<") if dtype.itemsize > 1 else dtype],
-                         [int(data.size)], data)
-        tensors[name + ".offsets"] = ("I64", [len(offsets)], offsets)
+                         [int(offsets[-1])], arrays)
+        tensors[name + ".offsets"] = ("I64", [len(offsets)], [offsets])
         if rank > 1:
             shapes = np.asarray([a.shape for a in arrays], dtype=np.int64).reshape(len(arrays), rank)
-            tensors[name + ".shapes"] = ("I64", [len(arrays), rank], shapes)
+            tensors[name + ".shapes"] = ("I64", [len(arrays), rank], [shapes])
     header: dict[str, Any] = {"__metadata__": {"format": fmt.FORMAT_NAME, "kind": "arrays"}}
     end, parts = 0, []
     for name in sorted(tensors):
-        dtype_name, shape, data = tensors[name]
-        data = np.ascontiguousarray(data)
-        header[name] = {"dtype": dtype_name, "shape": shape, "data_offsets": [end, end + int(data.nbytes)]}
-        end += int(data.nbytes)
-        parts.append(memoryview(data.astype(data.dtype.newbyteorder("<"), copy=False)).cast("B"))
+        dtype_name, shape, pieces = tensors[name]
+        little = ARRAY_DTYPES[dtype_name]
+        start = end
+        for piece in pieces:  # (one dtype per field: a piece is cast only where it is big-endian)
+            piece = np.ascontiguousarray(piece).astype(little, copy=False)
+            if piece.nbytes:
+                parts.append(memoryview(piece).cast("B"))
+                end += int(piece.nbytes)
+        header[name] = {"dtype": dtype_name, "shape": shape, "data_offsets": [start, end]}
     raw = json.dumps(header, separators=(",", ":"), sort_keys=True).encode()
     raw += b" " * (-(len(raw) + 8) % 8)
     size, checksum = storage.write(rel_path, [struct.pack("<Q", len(raw)) + raw] + parts)
@@ -136,6 +174,7 @@ class BlockArrays:
 
     def __init__(self, fields: dict[str, _Field], path: str):
         self._fields, self.path = fields, path
+        self._token_rows: dict[str, np.ndarray] = {}  # per-token fields, checked once
 
     def document(self, d: int) -> dict[str, np.ndarray]:
         """The block's document d: field name -> its array, in its own shape."""
@@ -144,6 +183,33 @@ class BlockArrays:
             flat = f.data[int(f.offsets[d]): int(f.offsets[d + 1])]
             out[name] = flat if f.shapes is None else flat.reshape(tuple(int(x) for x in f.shapes[d]))
         return out
+
+    def pieces(self, name: str, local: np.ndarray) -> tuple[list[np.ndarray], np.ndarray, np.dtype]:
+        """Field ``name`` of the block's documents ``local`` (int64 array): their values (flat
+        read-only views, one per document), their shapes (int64 [n, rank]) and the dtype; what
+        a gather of a batch's arrays copies from (a few vectorised lookups, no per-document
+        dict)."""
+        f = self._fields[name]
+        starts, stops = f.offsets[local], f.offsets[local + 1]
+        shapes = (stops - starts).reshape(-1, 1) if f.shapes is None else f.shapes[local]
+        data = f.data
+        return [data[a:b] for a, b in zip(starts.tolist(), stops.tolist())], shapes, data.dtype
+
+    def token_rows(self, name: str, num_tokens: int, trailing: tuple[int, ...]) -> np.ndarray:
+        """A per-token field's values as (num_tokens, *trailing): row t belongs to the block's
+        token t, as the documents lie back to back (CacheFormatError if they do not)."""
+        if name in self._token_rows:
+            return self._token_rows[name]
+        f = self._fields[name]
+        inner = int(np.prod(trailing, dtype=np.int64))
+        if f.data.size != num_tokens * inner or (f.shapes is not None and (
+                f.shapes.shape[1] != 1 + len(trailing) or np.any(f.shapes[:, 1:] != trailing))):
+            raise CacheFormatError(f"{self.path}: per-token field {name!r} does not hold one "
+                                   f"{list(trailing)} row per token of the block's {num_tokens} "
+                                   "tokens; the arrays sidecar is corrupted (run `torchcache "
+                                   "verify --repair`)")
+        rows = self._token_rows[name] = f.data.reshape((num_tokens,) + tuple(trailing))
+        return rows
 
 
 def read_arrays_file(fd: int, path: str, num_documents: int, names: Sequence[str]) -> BlockArrays:

@@ -652,6 +652,12 @@ def _check_documents_spec(f: _Fields, documents: Any) -> None:
                 for k, dim in enumerate(f.list(declared["shape"], f"{where}.shape")):
                     if dim is not None:
                         f.int(dim, f"{where}.shape[{k}]", 0, 1 << 62)
+            if "per_token" in declared:  # one row per token: a shape [None, sizes...]
+                f.bool(declared["per_token"], f"{where}.per_token")
+                shape = declared.get("shape")
+                if not isinstance(shape, list) or not shape or shape[0] is not None \
+                        or any(d is None for d in shape[1:]):
+                    raise f.fail(f"{where}.shape", "of a per-token field must be [null, sizes...]")
 
 
 def _check_progress(f: _Fields, inputs: Any, n_inputs: int) -> None:

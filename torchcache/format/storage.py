@@ -130,6 +130,35 @@ def _digest(parts: list) -> tuple[int, str]:
     return size, "sha256:" + digest.hexdigest()
 
 
+_DIGEST_THREAD_BYTES = 4 << 20  # parts at least this large are hashed while they are written
+
+
+def _digest_meanwhile(parts: list) -> Any:
+    """``_digest(parts)`` as a function to call once they are written: for large parts (an arrays
+    sidecar of a few MB...) computed meanwhile in a thread (hashlib releases the GIL), so that
+    hashing overlaps the writes and the fsync instead of following them; the thread's error, if
+    any, is raised by the call."""
+    if sum(len(part) for part in parts) < _DIGEST_THREAD_BYTES:
+        return lambda: _digest(parts)
+    out: dict[str, Any] = {}
+
+    def run() -> None:
+        try:
+            out["digest"] = _digest(parts)
+        except BaseException as e:  # noqa: BLE001 - raised by result(), in the writer's thread
+            out["error"] = e
+
+    thread = threading.Thread(target=run, name="torchcache-digest", daemon=True)
+    thread.start()
+
+    def result() -> tuple[int, str]:
+        thread.join()
+        if "error" in out:
+            raise out["error"]
+        return out["digest"]
+    return result
+
+
 class LocalStorage(Storage):
     def __init__(self, root: str):
         self.root = self.url = root
@@ -139,6 +168,7 @@ class LocalStorage(Storage):
 
     def write(self, rel: str, parts: Iterable[bytes | memoryview]) -> tuple[int, str]:
         parts = list(parts)
+        digest = _digest_meanwhile(parts)
         final = self._path(rel)
         os.makedirs(os.path.dirname(final), exist_ok=True)
         tmp = f"{final}{TMP_MARK}{os.getpid()}"
@@ -163,7 +193,7 @@ class LocalStorage(Storage):
             raise
         if rel in COMMIT_POINTS:
             _fsync_dir(self.root)
-        return _digest(parts)
+        return digest()
 
     def extend(self, rel: str, keep: int, data: bytes) -> None:
         path = self._path(rel)

@@ -44,7 +44,7 @@ from ..format import blocks as fmt
 from .._util.args import index_array, int_arg, unsigned_max
 from .._util.lru import LRUCache
 from .cache_files import (check_block_file, load_keys, load_offsets, load_record_runs, locate_cache,
-                          named_map_copy, offsets_max_size)
+                          memory_file, named_map_copy, offsets_max_size)
 from ..errors import CacheFormatError
 from ..format.arrays import BlockArrays, arrays_name, read_arrays_file
 from ..format.documents import (BlockDocuments, docs_max_size, has_arrays, has_loss_mask,
@@ -64,6 +64,7 @@ _MAX_DESCRIPTORS = 128  # descriptors of block files open at once in a process (
 _MAX_CACHED_OFFSETS = 64  # blocks whose document offsets a TokenCache keeps in memory
 _MAX_CACHED_KEYS = 4  # blocks whose document keys a TokenCache keeps (a keys file can be large)
 _MAX_CACHED_DOCS = 64  # blocks whose documents sidecar (v3: mask runs, records) a TokenCache keeps
+_MAX_MAPPED_COPIES = 2  # arrays sidecars kept mapped under a cache_limit (a mapped copy cannot be evicted)
 _MAX_CHECKED_BLOCKS = 1 << 16  # blocks a TokenCache remembers as checked (path and token start)
 DEFAULT_MAP_BYTES = 256 << 20  # block bytes a TokenCache maps at most, unless told otherwise
 _TRUNCATED = "run `torchcache verify`"  # what to do about a block file that ends too soon
@@ -266,8 +267,10 @@ class TokenCache:
             bytes asked; the copies kept are those the read plan needs soonest (see
             :meth:`plan_reads`; :class:`torchcache.DataLoader` plans a
             :class:`torchcache.TokenDataset`'s reads when it starts iterating); copies in use
-            by any process are never evicted. None (the default): copy every block read and
-            keep it. Ignored for a local cache (read in place). All the processes sharing
+            by any process are never evicted. A block's arrays sidecar is copied whole under
+            the same limit (read into memory where no room can be made). None (the default):
+            copy every block read and keep it. Ignored for a local cache (read in place). All
+            the processes sharing
             ``local_dir`` should use the same limit.
         fetch_threads: with ``cache_limit``, the most remote requests one process makes at once.
         readahead: with ``cache_limit``, how many of its next planned reads a process fetches
@@ -370,6 +373,7 @@ class TokenCache:
                 self._bounded = BoundedReader(self._source, limit, self.dtype.itemsize,
                                               fetch_threads=fetch_threads, readahead=readahead,
                                               lookahead=lookahead, stats=stats)
+                self._arrays_cache = self._new_arrays_cache()
 
     def with_map_bytes(self, map_bytes: int | str) -> "TokenCache":
         """A new TokenCache of the same cache, as this one is now (committed blocks, read plan,
@@ -528,7 +532,7 @@ class TokenCache:
             self._open.clear()
             self._doomed.clear()
         # mapped arrays sidecars: unmapped once the arrays handed out are gone too
-        self._arrays_cache = LRUCache(_MAX_CACHED_DOCS)
+        self._arrays_cache = self._new_arrays_cache()
         if self._bounded is not None:
             self._bounded.close()
 
@@ -830,8 +834,8 @@ class TokenCache:
         """Counters of remote reading since this cache was opened, summed over its DataLoader
         workers: ``bytes_downloaded`` (all remote bytes), ``whole_block_downloads`` and
         ``whole_block_bytes`` (block copies), ``ranged_reads`` and ``ranged_bytes`` (reads of
-        just a sample's bytes), ``other_bytes`` (offsets, keys, tokenizer), ``hits`` (reads
-        served from local copies), ``misses`` (reads that needed remote bytes; ``prefetched``
+        just a sample's bytes), ``other_bytes`` (offsets, keys, tokenizer, arrays sidecars),
+        ``hits`` (reads served from local copies), ``misses`` (reads that needed remote bytes; ``prefetched``
         of them were fetched ahead), ``hit_rate``, ``evictions``, ``evicted_bytes``,
         ``refused_copies`` (blocks read by range because no room was worth making),
         ``verified_bytes`` (blocks downloaded whole once per machine before their first ranged
@@ -899,6 +903,25 @@ class TokenCache:
         local = i - int(self._doc_starts[b])
         base = int(self._token_starts[b])
         return base + int(offsets[local]), base + int(offsets[local + 1])
+
+    @_locked
+    def document_spans(self, indices: Any) -> np.ndarray:
+        """:meth:`document_span` of each of documents ``indices``, as int64 [n, 2] (start, stop)
+        rows, in one call (a few vectorised lookups per block, for a batch of documents).
+
+        >>> cache.document_spans([3, 0]).tolist()  # doctest: +SKIP
+        [[1840, 2011], [0, 219]]
+        """
+        idx = self._check_documents(indices)
+        spans = np.empty((len(idx), 2), dtype=np.int64)
+        blocks = np.searchsorted(self._doc_starts, idx, side="right") - 1
+        for b in set(blocks.tolist()):
+            where = blocks == b
+            local = idx[where] - self._doc_starts[b]
+            offsets, base = self.block_offsets(b), self._token_starts[b]
+            spans[where, 0] = base + offsets[local]
+            spans[where, 1] = base + offsets[local + 1]
+        return spans
 
     def document_at(self, token: int) -> int:
         """Index of the document containing global token position `token`.
@@ -1049,17 +1072,150 @@ class TokenCache:
         b = self._document_block(i)
         return self._block_arrays(b).document(i - int(self._doc_starts[b]))
 
+    def gather_arrays(self, indices: Any) -> dict[str, tuple[np.ndarray, np.ndarray]]:
+        """The arrays of documents ``indices`` (negative ones count from the end), each field
+        copied in one gather: field name -> (values, shapes), ``values`` the documents' values
+        flattened end to end in a new writable array, ``shapes`` int64 [n, rank] (document k's
+        array is its next ``shapes[k].prod()`` values, in that shape). {} in a cache without
+        arrays (and for no indices while no block is committed: no layout is known yet).
+
+        >>> values, shapes = cache.gather_arrays([3, 0])["input_features"]  # doctest: +SKIP
+        >>> shapes.tolist(), values.size == shapes.prod(axis=1).sum()  # doctest: +SKIP
+        ([[412, 80], [97, 80]], True)
+        """
+        return {name: (np.concatenate(views) if views else np.empty(0, dtype), shapes)
+                for name, (views, shapes, dtype) in self.array_pieces(indices).items()}
+
+    @_locked
+    def array_pieces(self, indices: Any) -> dict[str, tuple[list[np.ndarray], np.ndarray, np.dtype]]:
+        """The arrays of documents ``indices`` (negative ones count from the end) where they lie:
+        field name -> (views, shapes, dtype), ``views[k]`` document k's values flattened (a
+        read-only view of the memory-mapped sidecar, as :meth:`document_arrays` gives),
+        ``shapes`` int64 [n, rank]. For a reader that copies a batch's arrays once, where it
+        wants them (:class:`torchcache.DocumentDataset`: straight into the padded batch): a few
+        vectorised lookups per block, no dict per document. {} as for :meth:`gather_arrays`.
+
+        >>> views, shapes, dtype = cache.array_pieces([3, 0])["input_features"]  # doctest: +SKIP
+        >>> views[1].reshape(shapes[1]).shape, dtype  # doctest: +SKIP
+        ((97, 80), dtype('float32'))
+        """
+        idx = self._check_documents(indices)
+        fields = self.array_fields
+        if not fields or (not idx.size and not self.num_blocks):
+            return {}
+        blocks = np.searchsorted(self._doc_starts, idx, side="right") - 1
+        groups = [(0, np.arange(0))] if not idx.size else \
+            [(b, np.flatnonzero(blocks == b)) for b in sorted(set(blocks.tolist()))]
+        out = {}
+        for name in fields:
+            pieces: list[Any] = [None] * len(idx)
+            shapes, dtype = None, None
+            for b, where in groups:
+                views, block_shapes, dtype = self._block_arrays(b).pieces(
+                    name, idx[where] - self._doc_starts[b])
+                if shapes is None:
+                    shapes = np.empty((len(idx), block_shapes.shape[1]), dtype=np.int64)
+                shapes[where] = block_shapes
+                for k, view in zip(where.tolist(), views):
+                    pieces[k] = view
+            out[name] = (pieces, shapes, dtype)
+        return out
+
+    def _check_documents(self, indices: Any) -> np.ndarray:
+        """``indices`` as int64 document positions in [0, num_documents) (negative from the end);
+        TypeError for non-integers, IndexError naming the first out of range."""
+        idx = index_array(indices, "indices").reshape(-1)
+        n = self.num_documents
+        if idx.size and unsigned_max(idx) >= n:  # negative or past the end
+            bad = idx[(idx >= n) | (idx < -n)]
+            if bad.size:
+                raise IndexError(f"document {int(bad[0])} outside [0, {n})")
+            idx = np.where(idx < 0, idx + n, idx)
+        return idx
+
+    def _new_arrays_cache(self) -> LRUCache[BlockArrays]:
+        """The blocks whose arrays sidecar this cache keeps mapped: few under a cache_limit,
+        where each is a local copy that its mapping keeps from eviction."""
+        return LRUCache(_MAX_MAPPED_COPIES if self._bounded is not None else _MAX_CACHED_DOCS)
+
     def _block_arrays(self, b: int) -> BlockArrays:
         """Block b's arrays sidecar, checked against the checksum its documents sidecar holds
         (with verify_checksums) and its structure (always), kept mapped for a while."""
         def load() -> BlockArrays:
             checksum = self._block_docs(b).arrays_sha256
-            path, fd = self._open_file(arrays_name(self._table.path(b)), checksum)
+            rel = arrays_name(self._table.path(b))
+            if self._bounded is not None and checksum is not None:  # a copy under the limit
+                got = self._bounded.open_sidecar(self._table, rel, checksum)
+                path, fd = got if isinstance(got, tuple) else (f"{self.url}/{rel}", memory_file(got))
+            else:
+                path, fd = self._open_file(rel, checksum)
             try:
                 return read_arrays_file(fd, path, self._block_documents(b), self.array_fields)
             finally:
                 os.close(fd)
         return self._arrays_cache.get_or_make(b, load)
+
+    @property
+    def token_array_fields(self) -> tuple[str, ...]:
+        """The per-token array fields (built with ``token_arrays=``): one row per token, read
+        with the tokens by :meth:`token_arrays` (() in a cache without them)."""
+        arrays = (self.spec.get("documents") or {}).get("arrays") or {}
+        return tuple(sorted(name for name, d in arrays.items() if d.get("per_token")))
+
+    def token_array_layout(self, name: str) -> tuple[np.dtype | None, tuple[int, ...]]:
+        """(dtype, shape of one row) of per-token field `name`; the dtype is the declared one,
+        else the first block's (None while a cache without a declared dtype has no block)."""
+        if name not in self.token_array_fields:
+            raise KeyError(f"{name!r} is not a per-token array field of the cache at {self.url} "
+                           f"(its per-token fields: {list(self.token_array_fields)})")
+        declared = self.spec["documents"]["arrays"][name]
+        trailing = tuple(int(d) for d in declared["shape"][1:])
+        if declared["dtype"] is not None:
+            return np.dtype(declared["dtype"]), trailing
+        if not self.num_blocks:
+            return None, trailing
+        return self._block_arrays(0).token_rows(name, self._block_tokens(0), trailing).dtype, trailing
+
+    def token_arrays(self, name: str, starts: Any, length: int) -> np.ndarray:
+        """Per-token field `name` for the token ranges [s, s + length) of `starts`, as a
+        (rows, length, *row shape) array: the rows of `read_many`, for the field.
+
+        >>> cache.token_arrays("weights", [0, 2048], 2048).shape  # doctest: +SKIP
+        (2, 2048)
+        """
+        starts = np.asarray(starts, dtype=np.int64).reshape(-1)
+        length = int_arg(length, "length", minimum=0)
+        dtype, trailing = self.token_array_layout(name)
+        out = np.zeros((len(starts), length) + trailing, dtype=dtype or np.float32)
+        return self.token_array_ranges(name, starts, np.full(len(starts), length),
+                                       out, np.arange(0, len(starts) * length, length))
+
+    @_locked
+    def token_array_ranges(self, name: str, starts: Any, lengths: Any, out: np.ndarray,
+                           out_offsets: Any) -> np.ndarray:
+        """Set rows ``out_offsets[k]`` on of ``out`` (C-contiguous, seen as (-1, *row shape)) to
+        per-token field `name` of tokens ``[starts[k], starts[k] + lengths[k])``: the array
+        twin of :meth:`read_ranges`, crossing blocks as needed. Returns `out`."""
+        _, trailing = self.token_array_layout(name)
+        starts = np.asarray(starts, dtype=np.int64).reshape(-1)
+        lengths = np.asarray(lengths, dtype=np.int64).reshape(-1)
+        out_offsets = np.asarray(out_offsets, dtype=np.int64).reshape(-1)
+        if not out.flags.c_contiguous or out.shape[out.ndim - len(trailing):] != trailing:
+            raise ValueError(f"out must be a C-contiguous array of rows of shape {list(trailing)}")
+        if not len(starts):
+            return out
+        if starts.min() < 0 or lengths.min() < 0 or int((starts + lengths).max()) > self.num_tokens:
+            raise IndexError(f"token ranges reach outside [0, {self.num_tokens})")
+        rows = out.reshape((-1,) + trailing)
+        for start, length, at in zip(starts.tolist(), lengths.tolist(), out_offsets.tolist()):
+            while length > 0:
+                b = int(np.searchsorted(self._token_starts, start, side="right")) - 1
+                first, size = int(self._token_starts[b]), self._block_tokens(b)
+                take = min(length, first + size - start)
+                data = self._block_arrays(b).token_rows(name, size, trailing)
+                rows[at: at + take] = data[start - first: start - first + take]
+                start, at, length = start + take, at + take, length - take
+        return out
 
     def loss_mask(self, start: int, stop: int) -> np.ndarray:
         """Which tokens of the global range [start, stop) are trained, as a bool array (all True

@@ -30,7 +30,7 @@ from .local_copies import (SessionStats, copy_name, discard_copy, fetch_verified
 from ..format.storage import TMP_MARK, LocalStorage, RemoteStorage, Storage, is_remote, open_storage
 
 __all__ = ["CacheFiles", "check_block_file", "load_keys", "load_offsets", "load_record_runs",
-           "locate_cache",
+           "locate_cache", "memory_file",
            "named_map_copy", "offsets_max_size"]
 
 
@@ -137,15 +137,21 @@ class CacheFiles:
         if self.stats is not None:
             self.stats.add_many({"bytes_downloaded": len(data), "other_bytes": len(data)})
             self.stats.flush()
-        fd = _anonymous_file()
-        try:
-            view, done = memoryview(data), 0
-            while done < len(view):
-                done += os.pwrite(fd, view[done:], done)
-        except BaseException:
-            os.close(fd)
-            raise
-        return f"{self.url}/{rel}", fd
+        return f"{self.url}/{rel}", memory_file(data)
+
+
+def memory_file(data: bytes) -> int:
+    """A descriptor of a file in memory holding ``data`` (a remote file read whole, verified):
+    what a file read from a local copy would be, with no copy on disk."""
+    fd = _anonymous_file()
+    try:
+        view, done = memoryview(data), 0
+        while done < len(view):
+            done += os.pwrite(fd, view[done:], done)
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
 
 
 def _anonymous_file() -> int:

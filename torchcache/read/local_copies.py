@@ -70,8 +70,9 @@ __all__ = ["LocalCopies", "Reservation", "Resident", "SessionStats", "STAT_FIELD
 LOCK_NAME = ".copies.lock"
 # our reservations (a stale one, whose writer died, is ours to delete)
 _RESERVATION = re.compile(re.escape(TMP_MARK) + r"\d+-r\d+$")
-# block copies, named by checksum (a plain name: a copy made by an older torchcache, never read)
-_BLOCK_COPY = re.compile(r"\d{6,}-\d{6,}\.safetensors(\.[0-9a-f]{64})?$")
+# block copies (and copies of blocks' arrays sidecars), named by checksum (a plain name: a copy
+# made by an older torchcache, never read)
+_BLOCK_COPY = re.compile(r"\d{6,}-\d{6,}(\.arrays)?\.safetensors(\.[0-9a-f]{64})?$")
 _OK, _REMOTE = ".ok-", ".remote-"
 
 # ---------------------------------------------------------------- sizes

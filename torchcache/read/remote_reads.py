@@ -541,6 +541,33 @@ class BoundedReader:
             os.close(old)  # releases its shared lock: it may be evicted now
         return entry
 
+    def open_sidecar(self, table: Any, rel: str, checksum: str) -> tuple[str, int] | bytes:
+        """A block's sidecar read whole and kept mapped (an arrays sidecar, often larger than
+        its block): its local copy, opened and locked shared (path, descriptor), made now if
+        there is none; copies of sidecars count under the limit and are evicted as block
+        copies are (least recently used first). Where no room can be made, its verified bytes,
+        to read from memory."""
+        copy = copy_name(rel, checksum)
+        found = self.copies.open_copy(copy, checksum, touch=True)
+        if found is not None:
+            return found
+        data = fetch_verified(self.remote, rel, checksum)
+        self.stats_counter.add_many({"bytes_downloaded": len(data), "other_bytes": len(data)})
+        status, reservation, used = self.copies.reserve(copy, len(data), self._policy(table, None, None))
+        if status == "reserved":
+            self._free = self.limit - used
+            reservation.commit(data)
+            self.stats_counter.add_many({
+                "evictions": len(reservation.evicted),
+                "evicted_bytes": sum(r.size for r in reservation.evicted)})
+        elif status == BUSY:
+            self.copies.wait_for(copy)
+        elif status == REFUSED:
+            self.stats_counter.add("refused_copies")
+        self.stats_counter.flush()
+        found = None if status == REFUSED else self.copies.open_copy(copy, checksum, touch=True)
+        return data if found is None else found
+
     def _release_unneeded(self, snapshot: tuple) -> None:
         """Close the copies the plan does not read again within the window: open, they would be
         kept from eviction for nothing."""

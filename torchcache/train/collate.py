@@ -30,6 +30,7 @@ import torch
 from torch.nn.utils.rnn import pad_sequence
 
 from .._util.args import choice_arg, int_arg, optional_int_arg
+from .transfer import batch_tensor
 
 __all__ = ["IGNORE_INDEX", "packed_collate", "pad_collate"]
 
@@ -50,6 +51,8 @@ def _documents(batch: Sequence[Any],
                         f"{type(batch).__name__}")
     if not batch:
         raise ValueError("batch is empty: a collate function needs at least one document")
+    masked = any(isinstance(b, Mapping) and "loss_mask" in b for b in batch)
+    end = None if max_length is None else max_length + 1
     docs, masks = [], []
     for i, item in enumerate(batch):
         mask = None
@@ -58,15 +61,15 @@ def _documents(batch: Sequence[Any],
                 raise TypeError(f"batch[{i}] is a dict without input_ids (keys {sorted(item)}): "
                                 "give DocumentDataset items")
             item, mask = item["input_ids"], item.get("loss_mask")
-        doc = torch.as_tensor(item)
+        doc = item if type(item) is torch.Tensor else torch.as_tensor(item)
         if doc.dim() != 1 or doc.is_floating_point() or doc.is_complex() or doc.dtype == torch.bool:
             raise TypeError(f"batch[{i}] must be a 1-D tensor of token ids (a DocumentDataset "
                             f"item), got {doc.dtype} of shape {tuple(doc.shape)}")
-        end = None if max_length is None else max_length + 1
-        docs.append(doc[:end].to(torch.int64))
-        masks.append(torch.ones(len(doc), dtype=torch.bool) if mask is None
-                     else torch.as_tensor(mask, dtype=torch.bool)[:end])
-    return docs, masks if any(isinstance(b, Mapping) and "loss_mask" in b for b in batch) else None
+        docs.append((doc if end is None else doc[:end]).to(torch.int64))
+        if masked:  # (no mask is made for a batch without one)
+            masks.append(torch.ones(doc.shape[0], dtype=torch.bool) if mask is None
+                         else torch.as_tensor(mask, dtype=torch.bool)[:end])
+    return docs, masks if masked else None
 
 
 def _trained(masks: list[torch.Tensor], docs: list[torch.Tensor], alignment: str) -> list[torch.Tensor]:
@@ -125,13 +128,12 @@ def pad_collate(batch: Sequence[torch.Tensor], *, pad_id: int = 0, max_length: i
     alignment = choice_arg(labels, "labels", LABEL_ALIGNMENTS)
     docs, masks = _documents(batch, max_length)
     docs, following = _cut(docs, max_length)
-    lengths = torch.tensor([len(d) for d in docs], dtype=torch.int64)
-    width = int(lengths.max())
-    if multiple is not None:
-        width = -(-width // multiple) * multiple
-    input_ids = torch.full((len(docs), width), pad_id, dtype=torch.int64)
-    if width:
-        input_ids[:, :int(lengths.max())] = pad_sequence(docs, batch_first=True, padding_value=pad_id)
+    lengths = torch.tensor([d.shape[0] for d in docs], dtype=torch.int64)
+    longest = int(lengths.max())
+    width = longest if multiple is None else -(-longest // multiple) * multiple
+    input_ids = pad_sequence(docs, batch_first=True, padding_value=pad_id)
+    if width > longest:
+        input_ids = torch.nn.functional.pad(input_ids, (0, width - longest), value=pad_id)
     attention_mask = (torch.arange(width) < lengths[:, None]).to(torch.int64)
     if alignment == "same":
         targets = input_ids.masked_fill(attention_mask == 0, IGNORE_INDEX)
@@ -176,12 +178,52 @@ def _pad_arrays(batch: Sequence[Any]) -> dict[str, torch.Tensor]:
         if len(ranks) != 1 or len(dtypes) != 1:
             raise TypeError(f"array field {name!r}: the items differ in rank or dtype "
                             f"({sorted(map(str, dtypes))}, ranks {sorted(ranks)})")
-        shapes = torch.tensor([list(a.shape) for a in arrays], dtype=torch.int64).reshape(len(arrays), -1)
-        padded = torch.zeros((len(arrays), *shapes.max(dim=0).values.tolist()), dtype=arrays[0].dtype)
-        for i, a in enumerate(arrays):
-            padded[(i, *(slice(0, n) for n in a.shape))] = a
+        sizes = [list(a.shape) for a in arrays]
+        shapes = torch.tensor(sizes, dtype=torch.int64).reshape(len(arrays), -1)
+        largest = shapes.max(dim=0).values.tolist()
+        padded = _rows_base(arrays, largest)
+        if padded is not None:  # the items are the rows of one padded batch already
+            out[name], out[f"{name}_shape"] = padded, shapes
+            continue
+        padded = batch_tensor((len(arrays), *largest), arrays[0].dtype)
+        for i, (a, size) in enumerate(zip(arrays, sizes)):
+            row = padded[i]
+            row[tuple(slice(0, n) for n in size)] = a
+            for d, n in enumerate(size):  # the padding: one slab per dimension, zeroed once
+                if n < largest[d]:
+                    row[(*(slice(0, m) for m in size[:d]), slice(n, None))] = 0
         out[name], out[f"{name}_shape"] = padded, shapes
     return out
+
+
+def padded_rows(padded: torch.Tensor, lengths: Sequence[int]) -> list[torch.Tensor]:
+    """Rows ``padded[i, :lengths[i]]`` of a batch whose padding is zero (contiguous views), each
+    marked as a row of ``padded``: :func:`pad_collate` of items holding these rows, in this order
+    and all of them, returns ``padded`` itself instead of copying them into a new batch.
+    :class:`torchcache.DocumentDataset` reads a batch's arrays so, in one copy."""
+    rows = []
+    for i, n in enumerate(lengths):
+        row = padded[i, :n]
+        row._torchcache_rows_of = padded  # (a tensor takes attributes; a copy or a slice has none)
+        rows.append(row)
+    return rows
+
+
+def _rows_base(arrays: list[torch.Tensor], largest: list[int]) -> torch.Tensor | None:
+    """The padded batch ``arrays`` are the rows of (:func:`padded_rows`), when they are all of its
+    rows, in order, and it is exactly as large as the largest of them; else None."""
+    base = getattr(arrays[0], "_torchcache_rows_of", None)
+    if not isinstance(base, torch.Tensor) or list(base.shape) != [len(arrays), *largest] \
+            or not base.is_contiguous():
+        return None
+    step, start = base.stride(0), base.storage_offset()
+    memory = base.untyped_storage().data_ptr()
+    for i, a in enumerate(arrays):  # (an empty row's data_ptr() is 0: its offset in the storage)
+        if getattr(a, "_torchcache_rows_of", None) is not base or a.storage_offset() != start + i * step \
+                or a.untyped_storage().data_ptr() != memory or a.shape[1:] != base.shape[2:] \
+                or not a.is_contiguous():
+            return None
+    return base
 
 
 def packed_collate(batch: Sequence[torch.Tensor], *, max_length: int | None = None,

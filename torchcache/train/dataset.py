@@ -51,7 +51,8 @@ from .._util.args import (INT64_MAX, POSITION_LIMIT, bool_arg, choice_arg, index
 from ..read.cache import TokenCache
 from ..read.remote_reads import SamplerReads
 from .agreement import tokenizer_identity
-from .collate import IGNORE_INDEX
+from .collate import IGNORE_INDEX, padded_rows
+from .transfer import item_tensor
 from .sampler import SampleView
 
 __all__ = ["DocumentDataset", "GrowingDataset", "TokenDataset", "open_cache"]
@@ -106,6 +107,19 @@ def split_bits(combined: np.ndarray, w: int, m: int) -> tuple[np.ndarray, np.nda
     return combined[:, :w], np.unpackbits(bits, axis=1, count=m).view(bool)
 
 
+def token_array_format(cache: TokenCache) -> tuple[tuple[str, str, tuple[int, ...]], ...]:
+    """Each per-token array field's (name, dtype, row shape): what a window or a packed row of
+    `cache` carries beside ``input_ids``, sliced like it (() in a cache without them)."""
+    return tuple((name, str(dtype), trailing) for name in cache.token_array_fields
+                 for dtype, trailing in [cache.token_array_layout(name)])
+
+
+def token_array_keys(cache: TokenCache) -> str:
+    """The per-token fields in an item signature: ", weights float32[L]" and such."""
+    return "".join(f", {name} {dtype}[L{''.join(f', {d}' for d in trailing)}]"
+                   for name, dtype, trailing in token_array_format(cache))
+
+
 def masked_labels(targets: np.ndarray, trained: np.ndarray | None) -> dict[str, torch.Tensor]:
     """int64 ``labels`` (``targets``, -100 where not ``trained``) and, with a mask, the bool
     ``loss_mask`` (``labels != -100``); without one (``trained`` None) only the labels.
@@ -118,6 +132,28 @@ def masked_labels(targets: np.ndarray, trained: np.ndarray | None) -> dict[str, 
     np.copyto(labels, IGNORE_INDEX, where=~trained)
     mask = trained if targets.dtype.kind == "u" else labels != IGNORE_INDEX
     return {"labels": torch.from_numpy(labels), "loss_mask": torch.from_numpy(np.ascontiguousarray(mask))}
+
+
+def array_tensors(views: list[np.ndarray], shapes: np.ndarray, dtype: np.dtype) -> list[torch.Tensor]:
+    """Documents' arrays (flat read-only views and their shapes: ``TokenCache.array_pieces``) as
+    tensors, copied once. Where only their first dimension differs (speech frames, per-token
+    rows), they are the rows of one zero-padded batch (:func:`torchcache.train.collate.
+    padded_rows`: ``pad_collate`` then returns that batch as it is, and in a DataLoader worker
+    whose collate function it is, the batch is made in shared memory: ``item_tensor``);
+    otherwise they lie end to end in one array."""
+    n = len(views)
+    torch_dtype = torch.from_numpy(np.empty(0, dtype)).dtype
+    if n and bool((shapes[:, 1:] == shapes[0, 1:]).all()):
+        lengths, trailing = shapes[:, 0].tolist(), shapes[0, 1:].tolist()
+        padded = item_tensor((n, max(lengths), *trailing), torch_dtype)
+        flat = padded.numpy().reshape(n, padded[0].numel())
+        for i, view in enumerate(views):
+            flat[i, :view.size] = view
+            flat[i, view.size:] = 0
+        return padded_rows(padded, lengths)
+    values = torch.from_numpy(np.concatenate(views) if views else np.empty(0, dtype))
+    return [piece.view(shape) for piece, shape in
+            zip(torch.split(values, shapes.prod(axis=1).tolist()), shapes.tolist())]
 
 
 class GrowingDataset(Dataset):
@@ -285,6 +321,7 @@ class TokenDataset(GrowingDataset):
         self.max_segments = self.seq_len if max_segments is None else max_segments
         self.cache = open_cache(cache)
         self._loss_mask = self.cache.has_loss_mask
+        self._token_arrays = self.cache.token_array_fields
         self._require_one_sample()
 
     def _require_one_sample(self) -> None:
@@ -317,6 +354,7 @@ class TokenDataset(GrowingDataset):
         'token windows of seq_len=2048 (input_ids, labels)'
         """
         keys = "input_ids, labels" + (", loss_mask" if self._loss_mask else "")
+        keys += token_array_keys(self.cache)
         if self.document_boundaries:
             keys += f", position_ids, cu_seqlens[{self.max_segments + 1}], num_segments"
         return f"token windows of seq_len={self.seq_len} ({keys})"
@@ -422,7 +460,28 @@ class TokenDataset(GrowingDataset):
             return self.expand_batch(self.compact_batch(indices))
         idx = self._check(indices)
         masks = self._masks(idx) if self._loss_mask else None
-        return self.batch_from_windows(self._read(idx), masks)  # the hot path
+        batch = self.batch_from_windows(self._read(idx), masks)  # the hot path
+        if self._token_arrays:
+            batch.update(self._array_rows(idx))
+        return batch
+
+    def read_token_arrays(self, indices: Sequence[int]) -> dict[str, np.ndarray]:
+        """The per-token array fields of samples ``indices`` (``cache.token_array_fields``), each
+        (len(indices), seq_len, *row shape): row t is that of ``input_ids[t]``, tokens
+        ``[i * seq_len, (i + 1) * seq_len)``, whatever ``labels`` is.
+
+        >>> ds.read_token_arrays([0])["weights"].shape  # doctest: +SKIP
+        (1, 2048)
+        """
+        return self._arrays(self._check(indices))
+
+    def _arrays(self, idx: np.ndarray) -> dict[str, np.ndarray]:
+        """The per-token array fields of checked sample positions ``idx``."""
+        return {name: self.cache.token_arrays(name, idx * self.seq_len, self.seq_len)
+                for name in self._token_arrays}
+
+    def _array_rows(self, idx: np.ndarray) -> dict[str, torch.Tensor]:
+        return {name: torch.from_numpy(rows) for name, rows in self._arrays(idx).items()}
 
     def batch_from_windows(self, windows: np.ndarray,
                            masks: np.ndarray | None = None) -> dict[str, torch.Tensor]:
@@ -454,7 +513,8 @@ class TokenDataset(GrowingDataset):
         windows into one array and expands the batch once (see
         :meth:`torchcache.MixtureDataset.get_batch`)."""
         return ("token windows", str(self.cache.dtype), self.seq_len, self.labels,
-                self.document_boundaries, self.max_segments) + (("loss_mask",) if self._loss_mask else ())
+                self.document_boundaries, self.max_segments) + (("loss_mask",) if self._loss_mask else ()) \
+            + token_array_format(self.cache)
 
     def compact_batch(self, indices: Sequence[int]) -> dict[str, torch.Tensor]:
         """The batch as its token windows in the cache's dtype (2 or 4 bytes a token).
@@ -470,7 +530,7 @@ class TokenDataset(GrowingDataset):
         if self._loss_mask:  # the mask's bits ride at the end of each row: one tensor to send
             windows = append_bits(windows, self._masks(idx))
         signed = np.int16 if windows.dtype.itemsize == 2 else np.int32  # torch-friendly view
-        batch = {_WINDOWS: torch.from_numpy(windows.view(signed))}
+        batch = {_WINDOWS: torch.from_numpy(windows.view(signed)), **self._array_rows(idx)}
         if self.document_boundaries:
             position_ids = np.empty((len(idx), self.seq_len), dtype=np.int64)
             cu_seqlens = np.empty((len(idx), self.max_segments + 1), dtype=np.int32)
@@ -580,17 +640,18 @@ class DocumentDataset(GrowingDataset):
 
     def __getitems__(self, indices: Sequence[int]) -> list[Any]:
         """Documents ``indices``, read in one gather and widened to int64 once."""
-        spans = np.array([self.cache.document_span(i) for i in self._check(indices).tolist()],
-                         dtype=np.int64).reshape(-1, 2)
+        idx = self._check(indices)
+        spans = self.cache.document_spans(idx)
         lengths = spans[:, 1] - spans[:, 0]
         tokens = torch.from_numpy(self.cache.read_ranges(spans[:, 0], lengths).astype(np.int64))
         documents = list(torch.split(tokens, lengths.tolist()))
         if self._arrays:
             items = self._labelled_all(documents, spans, lengths) if self._loss_mask else \
                 [{"input_ids": doc} for doc in documents]
-            for item, i in zip(items, self._check(indices).tolist()):
-                item.update((name, torch.from_numpy(np.array(array)))  # (a copy: the map is read-only)
-                            for name, array in self.cache.document_arrays(i).items())
+            if items:  # each field copied once, out of the map (read-only), for the whole batch
+                for name, (views, shapes, dtype) in self.cache.array_pieces(idx).items():
+                    for item, array in zip(items, array_tensors(views, shapes, dtype)):
+                        item[name] = array
             return items
         if not self._loss_mask:
             return documents

@@ -34,6 +34,8 @@ from .fetch_ahead import FetchAhead
 from ..read.cache import TokenCache
 from ..read.prefetch import BatchReader, batch_indices
 from .sampler import DistributedSampler, dataset_length
+from .collate import pad_collate
+from .transfer import inline_small_tensors, items_become_the_batch
 
 __all__ = ["DataLoader", "batched_reader", "pin_batch"]
 
@@ -217,7 +219,8 @@ class DataLoader(torch.utils.data.DataLoader[T_co]):
       dataset given). ``prefetch_factor`` and ``persistent_workers`` apply. In each worker, the
       caches the dataset reads (its ``cache``, a mixture's sources' caches) are replaced by
       pread-only copies (:meth:`TokenCache.with_map_bytes` ``(0)``) before your
-      ``worker_init_fn`` runs, so the workers' RSS stays flat.
+      ``worker_init_fn`` runs, so the workers' RSS stays flat. A batch's tensors of up to
+      128 KiB come through the pipe, larger ones in shared memory (torchcache.train.transfer).
     - *Synchronous* (``prefetch_batches=0`` and ``num_workers=0``): each batch is made when
       ``next()`` asks for it, in the loop's thread.
 
@@ -354,7 +357,7 @@ class DataLoader(torch.utils.data.DataLoader[T_co]):
             kwargs.pop("pin_memory_device", None)  # pinned here, once (pin_batch)
             self._worker_loader = torch.utils.data.DataLoader(
                 self._make, batch_size=None, sampler=self._worker_indices,
-                num_workers=num_workers, collate_fn=_as_is, pin_memory=False, timeout=timeout,
+                num_workers=num_workers, collate_fn=inline_small_tensors, pin_memory=False, timeout=timeout,
                 worker_init_fn=functools.partial(_start_worker, worker_init_fn),
                 multiprocessing_context=multiprocessing_context, generator=generator, **kwargs,
             )
@@ -1081,8 +1084,18 @@ class _Batches(torch.utils.data.Dataset):
             return self.collate_fn(dataset[indices])
         indices = indices.tolist() if isinstance(indices, np.ndarray) else list(indices)
         get_items = getattr(dataset, "__getitems__", None)
-        items = get_items(indices) if get_items is not None else [dataset[i] for i in indices]
+        with items_become_the_batch(self.pads_items):
+            items = get_items(indices) if get_items is not None else [dataset[i] for i in indices]
         return self.collate_fn(items)
+
+    @functools.cached_property
+    def pads_items(self) -> bool:
+        """The collate function is ``pad_collate`` (or a partial of it), which returns the padded
+        rows a DocumentDataset's items are as they are (torchcache.train.transfer)."""
+        collate = self.collate_fn
+        while isinstance(collate, functools.partial):
+            collate = collate.func
+        return collate is pad_collate
 
 
 def _start_worker(worker_init_fn: Callable[[int], None] | None, worker_id: int) -> None:
@@ -1177,11 +1190,6 @@ def _take_from(indices: Iterator[Any]) -> Callable[[], Any]:
     """``take()`` for a BatchReader over an index sampler's iterator: its next item, None at
     the end."""
     return functools.partial(next, indices, None)
-
-
-def _as_is(batch: Any) -> Any:
-    """The workers' loader's collate_fn: a worker's batch is already made."""
-    return batch
 
 
 def _one_at_a_time(make: Callable[[Any], Any]) -> Callable[[Any], Any]:

@@ -50,7 +50,8 @@ import torch
 
 from .._util.args import POSITION_LIMIT, choice_arg, int_arg, optional_int_arg, unsigned_max
 from .collate import IGNORE_INDEX
-from .dataset import GrowingDataset, append_bits, masked_labels, open_cache, split_bits
+from .dataset import (GrowingDataset, append_bits, masked_labels, open_cache, split_bits,
+                      token_array_format, token_array_keys)
 from ..read.pack_plan import PackPlan, plan_identity
 from ..order.packing import LONG_DOCS
 from ..read.cache import TokenCache
@@ -134,6 +135,7 @@ class PackedDataset(GrowingDataset):
         workers = int_arg(workers, "workers", minimum=1, maximum=1024)
         self.cache = open_cache(cache)
         self._loss_mask = self.cache.has_loss_mask
+        self._token_arrays = self.cache.token_array_fields
         if pad_id is None:
             pad_id = self.cache.eos_id
             if pad_id is None:
@@ -160,7 +162,7 @@ class PackedDataset(GrowingDataset):
         """The keys and shapes of a row (see :attr:`torchcache.TokenDataset.item_signature`)."""
         mask = ", loss_mask" if self._loss_mask else ""
         return (f"packed rows of seq_len={self.seq_len} (input_ids, labels{mask}, position_ids, "
-                f"cu_seqlens[{self.max_segments + 1}], num_segments)")
+                f"cu_seqlens[{self.max_segments + 1}], num_segments{token_array_keys(self.cache)})")
 
     @property
     def compact_format(self) -> tuple[Any, ...]:
@@ -168,7 +170,7 @@ class PackedDataset(GrowingDataset):
         expand each other's compact batches (one row per sample) alike, so a mixture of them
         expands its batch's rows once (see :meth:`torchcache.MixtureDataset.get_batch`)."""
         return (("packed rows", str(self.cache.dtype), self.seq_len, self.max_segments, self.pad_id)
-                + (("loss_mask",) if self._loss_mask else ()))
+                + (("loss_mask",) if self._loss_mask else ()) + token_array_format(self.cache))
 
     def __len__(self) -> int:
         return self.plan.rows
@@ -269,21 +271,21 @@ class PackedDataset(GrowingDataset):
         One gather of all the rows' document ranges, then a few whole-batch numpy operations
         for the labels and positions (nothing per row or per document in Python).
         """
-        tokens, cu, num_segments, continues, stops, restarts, masks = self._read_rows(self._check(indices))
-        return self._training_batch(tokens, cu, num_segments, stops, restarts, masks)
+        tokens, cu, num_segments, continues, stops, restarts, masks, arrays = self._read_rows(self._check(indices))
+        return self._training_batch(tokens, cu, num_segments, stops, restarts, masks) | arrays
 
     def compact_batch(self, indices: Sequence[int]) -> dict[str, torch.Tensor]:
         """The rows as stored tokens in the cache's dtype plus their segment table: what a
         DataLoader worker sends (4-8x less than the int64 batch); :meth:`expand_batch` widens it.
         """
-        tokens, cu, num_segments, continues, _, _, masks = self._read_rows(self._check(indices))
+        tokens, cu, num_segments, continues, _, _, masks, arrays = self._read_rows(self._check(indices))
         if masks is not None:  # the mask's bits ride at the end of each row (one tensor to send)
             tokens = append_bits(tokens, masks)
         signed = np.int16 if tokens.dtype.itemsize == 2 else np.int32
         return {_TOKENS: torch.from_numpy(tokens.view(signed)),
                 _CONTINUES: torch.from_numpy(continues),
                 "cu_seqlens": torch.from_numpy(cu),
-                "num_segments": torch.from_numpy(num_segments)}
+                "num_segments": torch.from_numpy(num_segments), **arrays}
 
     def expand_batch(self, compact: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """A :meth:`compact_batch` as the training batch (int64 ids, labels and positions)."""
@@ -304,10 +306,10 @@ class PackedDataset(GrowingDataset):
                          & ~(compact[_CONTINUES].numpy()[:, None] & (ends == C)))
         ends += np.arange(0, len(cu) * C, C)[:, None]
         return self._training_batch(tokens, cu, num_segments, ends[document_ends], _restarts(cu, C),
-                                    masks)
+                                    masks) | {name: compact[name] for name in self._token_arrays}
 
     def _read_rows(self, idx: np.ndarray) -> tuple[np.ndarray, ...]:
-        """``(tokens, cu_seqlens, num_segments, continues, stops, restarts, masks)`` of checked rows ``idx``.
+        """``(tokens, cu_seqlens, num_segments, continues, stops, restarts, masks, arrays)`` of checked rows ``idx``.
 
         ``tokens`` (rows, seq_len + 1) holds each row's documents back to back (zeros after
         them), read in one gather; a split piece fills its row, and its document's next token
@@ -316,6 +318,8 @@ class PackedDataset(GrowingDataset):
         ``restarts``: the rows where something (a piece, or padding) follows the first piece.
         ``masks`` (rows, seq_len): whether each label's target token is trained (meaningful where
         the label is a next token of the same document), or None without :attr:`has_loss_mask`.
+        ``arrays``: each per-token array field (``cache.token_array_fields``) as a tensor
+        (rows, seq_len, *row shape), row t that of ``input_ids[t]``, zeros in the padding.
         """
         n, C = len(idx), self.seq_len
         cu = np.full((n, self.max_segments + 1), C, dtype=np.int32)
@@ -328,8 +332,9 @@ class PackedDataset(GrowingDataset):
             ends = (~piece_continues).nonzero()[0]  # rows whose piece ends its document
             tokens[ends, C] = 0  # nothing follows it
             masks = self.cache.loss_masks(starts + 1, C) if self._loss_mask else None
+            arrays = self._arrays(starts, np.full(n, C), np.arange(0, n * C, C), n)
             return (tokens, cu, np.ones(n, dtype=np.int64), piece_continues, (ends + 1) * C, _NO_ROWS,
-                    masks)
+                    masks, arrays)
         segments = self.plan.segments(idx)
         row, length, count, piece_continues = segments.row, segments.length, segments.count, segments.continues
         if len(length) == n:  # one piece in every row (a plan has no empty row): most rows of books
@@ -358,8 +363,20 @@ class PackedDataset(GrowingDataset):
         if self._loss_mask:  # label j of a piece: is token j + 1 of it (or the one after) trained
             masks = np.zeros((n, C), dtype=bool)
             self.cache.loss_mask_ranges(segments.start + 1, length - 1 + piece_continues, masks, at)
+        arrays = self._arrays(segments.start, length, at, n)
         return (tokens, cu, count.astype(np.int64, copy=False), continues, stops[~piece_continues],
-                _restarts(cu, C), masks)
+                _restarts(cu, C), masks, arrays)
+
+    def _arrays(self, starts: np.ndarray, lengths: np.ndarray, at: np.ndarray,
+                n: int) -> dict[str, torch.Tensor]:
+        """The per-token array fields of ``n`` rows whose pieces (token ranges ``starts``,
+        ``lengths``) go to flat positions ``at`` of the (n, seq_len) batch; zeros elsewhere."""
+        out = {}
+        for name in self._token_arrays:
+            dtype, trailing = self.cache.token_array_layout(name)
+            rows = np.zeros((n, self.seq_len) + trailing, dtype=dtype)
+            out[name] = torch.from_numpy(self.cache.token_array_ranges(name, starts, lengths, rows, at))
+        return out
 
     def _training_batch(self, tokens: np.ndarray, cu: np.ndarray, num_segments: np.ndarray,
                         stops: np.ndarray, restarts: np.ndarray,

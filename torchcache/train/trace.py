@@ -23,8 +23,9 @@ def trace_step(loader: Any, step: int, *, words: int = 8) -> list[dict[str, Any]
     ``{"rank", "sample", "documents": [{"source", "document", "start", "end", "input",
     "record", "fields", "text"}, ...]}``: document ``document``'s tokens ``[start, end)`` of
     that source's cache, its input file and record (None only for caches built before records
-    were kept, where it cannot be known), and the first `words` words of that range (token ids when the cache has no
-    tokenizer).
+    were kept, where it cannot be known), its sample key (``"key"``, only where the document has
+    one: a webdataset tar's ``__key__``), and the first `words` words of that range (token ids
+    when the cache has no tokenizer).
 
     >>> import tokenizers  # a toy tokenizer: one word, one id
     >>> tok = tokenizers.Tokenizer(tokenizers.models.WordLevel(
@@ -40,7 +41,8 @@ def trace_step(loader: Any, step: int, *, words: int = 8) -> list[dict[str, Any]
     dataset = loader.dataset
     if not callable(getattr(dataset, "sample_documents", None)):
         raise TypeError(f"trace_step needs a dataset that knows its samples' documents "
-                        f"(TokenDataset, PackedDataset, MixtureDataset), not {type(dataset).__name__}")
+                        f"(TokenDataset, PackedDataset, DocumentDataset, MixtureDataset), not "
+                        f"{type(dataset).__name__}")
     indices = loader.step_samples(step)
     world = loader.sampler.world_size
     out = []
@@ -59,8 +61,9 @@ def _described(dataset: Any, piece: dict[str, Any], words: int) -> dict[str, Any
     start, _ = cache.document_span(piece["document"])
     end = min(start + piece["end"], start + piece["start"] + 4 * words + 16)
     ids = cache.read(start + piece["start"], end).astype(np.int64)
+    key = {"key": info["key"]} if "key" in info else {}  # a tar sample's __key__
     return {**piece, "input": info["input"], "record": info["record"], "fields": info["fields"],
-            "text": _first_words(cache, ids, words)}
+            **key, "text": _first_words(cache, ids, words)}
 
 
 def _cache_of(dataset: Any, source: str | None) -> TokenCache:
