@@ -130,9 +130,9 @@ def run_build(inputs: Any, output: str | os.PathLike, tokenizer: TokenizerLike |
             tokenizer_json = canonical_json(tok)  # (made once: a large tokenizer takes ~0.2 s)
             tokenizer_spec = {"fingerprint": fingerprint_of_json(tokenizer_json)}
         dtype = fmt.token_dtype(vocab_size)
-        declared = tokenizer_declarations(tokenizer)  # a model folder's, a transformers tokenizer's
-        bos_id, eos_id = (special_token_id(tok, bos, "bos", declared),
-                          special_token_id(tok, eos, "eos", declared))
+        said = tokenizer_declarations(tokenizer)  # a model folder's, a transformers tokenizer's
+        bos_id, eos_id = (special_token_id(tok, bos, "bos", said),
+                          special_token_id(tok, eos, "eos", said))
     template = None
     if input_format == "messages":
         beside = not (isinstance(tokenizer, str) and tokenizer.startswith("tiktoken:"))
