@@ -15,7 +15,7 @@ from typing import Any, Sequence
 
 import numpy as np
 
-from .tokenizer_backends import TokenizerBackend, require_library
+from .tokenizer_backends import TokenizerBackend, read_tokenizer_file, require_library
 
 MODEL_NAME = "tokenizer.model"
 
@@ -154,11 +154,7 @@ def sentencepiece_tokenizer(path: str | os.PathLike) -> SentencePieceTokenizer:
     ``.model`` path is taken as one too). Needs sentencepiece
     (``pip install 'torchcache-lm[sentencepiece]'``)."""
     path = os.fspath(path)
-    try:
-        with open(path, "rb") as f:
-            data = f.read()
-    except FileNotFoundError:
-        raise FileNotFoundError(f"SentencePiece model {path!r} does not exist") from None
+    data = read_tokenizer_file(path, "SentencePiece model")
     tok = SentencePieceTokenizer(data, path)
     tok.processor  # noqa: B018 - load it now: a bad file is reported here, naming its path
     return tok

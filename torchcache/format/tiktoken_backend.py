@@ -15,7 +15,7 @@ from typing import Any, Mapping, Sequence
 
 import numpy as np
 
-from .tokenizer_backends import TokenizerBackend, require_library
+from .tokenizer_backends import TokenizerBackend, read_tokenizer_file, require_library
 
 RANKS_NAME = "tokenizer.tiktoken"
 CONFIG_NAME = "tokenizer.tiktoken.json"
@@ -185,11 +185,7 @@ def tiktoken_tokenizer(path: str | os.PathLike, pattern: str = "gpt2",
     >>> tc.build_cache("data/*.jsonl", "caches/web", tok)  # doctest: +SKIP
     """
     path = os.fspath(path)
-    try:
-        with open(path, "rb") as f:
-            data = f.read()
-    except FileNotFoundError:
-        raise FileNotFoundError(f"tiktoken ranks file {path!r} does not exist") from None
+    data = read_tokenizer_file(path, "tiktoken ranks file")
     ranks = parse_ranks(data, path)
     if special_tokens is None:
         special_tokens = {"<|endoftext|>": max(ranks.values()) + 1}

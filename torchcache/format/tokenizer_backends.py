@@ -32,6 +32,15 @@ EXTRAS = {"tiktoken": ("tiktoken", "tiktoken"), "sentencepiece": ("sentencepiece
 CUT_CANDIDATES = (re.compile(r"(?<=\n)(?=\n\S)"), re.compile(r"(?<=\n\n)(?=[^\W\d_])"))
 
 
+def read_tokenizer_file(path: str, what: str) -> bytes:
+    """The bytes of a tokenizer's own file (FileNotFoundError naming it as `what`)."""
+    try:
+        with open(path, "rb") as f:
+            return f.read()
+    except FileNotFoundError:
+        raise FileNotFoundError(f"{what} {path!r} does not exist") from None
+
+
 def require_library(kind: str) -> Any:
     """The backend's library, imported now; an ImportError of one line naming the extra if it
     is missing."""
