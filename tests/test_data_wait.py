@@ -1,4 +1,5 @@
-"""The loader says how long the training loop waited for data (issue 34, item 3a).
+"""The loader says how long the training loop waited for data (issue 34, item 3a), and the
+Lightning and Hugging Face Trainer recipes of the README read it per epoch.
 
 Reads are made slow on purpose by a real mechanism: a dataset whose ``__getitems__`` sleeps a
 known time per batch. Every bound asserted follows from those sleeps and from times this test
@@ -15,6 +16,7 @@ import pytest
 import torch
 
 import torchcache as tc
+from conftest import paragraphs, write_jsonl
 
 DELAY = 0.05  # seconds a slow batch read sleeps
 SLACK = 0.001  # seconds per batch of interpreter time outside both the loader's and the test's clocks
@@ -149,3 +151,80 @@ def test_an_iterable_dataset_is_refused_by_name():
         loader.data_wait_seconds
     with pytest.raises(TypeError, match="stats\\(\\): .*IterableDataset"):
         loader.stats()
+
+
+def test_lightning_logs_each_epochs_wait_from_the_trainers_loader(tmp_path):
+    """As the README says: in on_train_epoch_end, self.trainer.train_dataloader is the loader,
+    and its wait is that epoch's (Lightning's fetcher calls next(): every sleep is in it)."""
+    L = pytest.importorskip("lightning")
+    seen = []
+
+    class Model(L.LightningModule):
+        def __init__(self):
+            super().__init__()
+            self.layer = torch.nn.Linear(1, 1)
+
+        def train_dataloader(self):
+            return tc.DataLoader(SlowReads(16, DELAY), batch_size=4, prefetch_batches=0)
+
+        def training_step(self, batch, batch_idx):
+            return self.layer(batch.float()[:, None]).mean()
+
+        def on_train_epoch_end(self):
+            loader = self.trainer.train_dataloader
+            self.log("data_wait_s", loader.data_wait_seconds)
+            seen.append(loader.stats()[-1])
+
+        def configure_optimizers(self):
+            return torch.optim.SGD(self.parameters(), lr=0.01)
+
+    trainer = L.Trainer(accelerator="cpu", max_epochs=2, logger=False, enable_checkpointing=False,
+                        enable_progress_bar=False, enable_model_summary=False,
+                        default_root_dir=str(tmp_path))
+    trainer.fit(Model())
+    assert [(s["epoch"], s["batches"]) for s in seen] == [(0, 4), (1, 4)]
+    assert all(s["data_wait_seconds"] >= 4 * DELAY for s in seen), seen
+    assert float(trainer.callback_metrics["data_wait_s"]) == pytest.approx(seen[-1]["data_wait_seconds"])
+
+
+def test_a_hf_trainer_callback_reads_each_epochs_wait(tmp_path, books, gpt2_tokenizer_path):
+    """As the README says: the Trainer passes its loader to a callback's on_epoch_end as
+    train_dataloader, and its stats are that epoch's."""
+    pytest.importorskip("transformers")
+    from transformers import TrainerCallback, TrainingArguments
+
+    from torchcache.integrations.transformers import Trainer
+
+    docs = write_jsonl(tmp_path / "docs.jsonl", paragraphs(books)[:12])
+    tc.build_cache(docs, tmp_path / "cache", gpt2_tokenizer_path, progress=False)
+
+    class SlowTokens(tc.TokenDataset):
+        def get_batch(self, indices):
+            time.sleep(DELAY)
+            return super().get_batch(indices)
+
+    class Model(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.scale = torch.nn.Parameter(torch.tensor(1.0))
+
+        def forward(self, input_ids, labels=None):
+            return {"loss": (self.scale * input_ids.float() / 50000).mean()}
+
+    class Log(TrainerCallback):
+        def __init__(self):
+            self.seen = []
+
+        def on_epoch_end(self, args, state, control, train_dataloader=None, **kwargs):
+            assert isinstance(train_dataloader, tc.DataLoader)
+            self.seen.append((train_dataloader.data_wait_seconds, train_dataloader.stats()[-1]))
+
+    ds = SlowTokens(tmp_path / "cache", seq_len=16, labels="same")
+    per_epoch = math.ceil(len(ds) / 8)
+    log = Log()
+    trainer = Trainer(model=Model(), train_dataset=ds, callbacks=[log], args=TrainingArguments(
+        output_dir=str(tmp_path / "out"), per_device_train_batch_size=8, num_train_epochs=2,
+        report_to="none", use_cpu=True, save_strategy="no", disable_tqdm=True))
+    trainer.train()
+    assert [(s["epoch"], s["batches"]) for _, s in log.seen] == [(0, per_epoch), (1, per_epoch)]
+    assert all(wait == s["data_wait_seconds"] > 0 for wait, s in log.seen)
