@@ -104,6 +104,7 @@ def test_bench_without_a_step_gives_the_loaders_own_pace(cache):
     (["--cache-limit", "1MB"], "--cache-limit bounds the local copies of a remote cache"),
     (["--batches", "1"], "--batches must be >= 2"),
     (["--step-ms", "-1"], "--step-ms -1: give the training step's time in milliseconds"),
+    (["--step-ms", "inf"], "--step-ms inf: give the training step's time in milliseconds"),
 ])
 def test_bench_refuses_bad_arguments_in_one_line(cache, args, message):
     run = bench(cache, "--seq-len", "64", "--batch-size", "8", "--step-ms", "5", *args)

@@ -648,7 +648,7 @@ def _bench(args: argparse.Namespace) -> int:
     batch_size = int_arg(args.batch_size, "--batch-size", minimum=1)
     workers = int_arg(args.workers, "--workers", minimum=0)
     batches = int_arg(args.batches, "--batches", minimum=2)
-    if not args.step_ms >= 0:
+    if not 0 <= args.step_ms < float("inf"):  # (NaN too)
         raise ValueError(f"--step-ms {args.step_ms:g}: give the training step's time in "
                          "milliseconds, 0 or more")
     if args.cache_limit is not None and not is_remote(args.cache):
