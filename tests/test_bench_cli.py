@@ -92,6 +92,23 @@ def test_bench_prints_the_pace_and_the_wait_of_a_local_cache(cache, workers):
         assert percent >= 2 and abs(number(waits["percent"]) - percent) <= 0.5
 
 
+def test_bench_json_gives_the_same_figures_for_tools(cache):
+    run = bench(cache, "--seq-len", "64", "--batch-size", "8", "--step-ms", "2", "--batches", "20",
+                "--json")
+    assert run.returncode == 0, run.stderr
+    figures = json.loads(run.stdout)
+    assert (figures["path"], figures["workers"], figures["batches"], figures["tokens"],
+            figures["step_ms"]) == (cache, 0, 20, 20 * 8 * 64, 2.0)
+    assert "remote" not in figures
+    assert figures["seconds"] >= 20 * 0.002 + figures["first_wait_seconds"]
+    assert figures["data_wait_seconds"] >= figures["first_wait_seconds"] >= 0
+    assert figures["wait_fraction"] == pytest.approx(
+        (figures["data_wait_seconds"] - figures["first_wait_seconds"])
+        / (figures["seconds"] - figures["first_wait_seconds"]))
+    assert figures["keeps_up"] == (figures["wait_fraction"] < 0.02)
+    assert figures["verdict"].startswith("data keeps up" if figures["keeps_up"] else "the GPU would wait")
+
+
 def test_bench_without_a_step_gives_the_loaders_own_pace(cache):
     run = bench(cache, "--seq-len", "64", "--batch-size", "8", "--step-ms", "0", "--batches", "20")
     assert run.returncode == 0, run.stderr

@@ -664,6 +664,9 @@ def _bench(args: argparse.Namespace) -> int:
     before = cache.stats()
     result = bench_steps(loader, args.step_ms / 1e3, batches)
     after = cache.stats()
+    if args.json:
+        print(json.dumps(_bench_figures(cache, result, workers, before, after), indent=1))
+        return 0
     mode = f"{_plural(workers, 'worker')}" if workers else \
         f"in-process, {loader.prefetch_batches} batches ahead"
     print(f"{cache.url}: {result.batches:,} batches of {batch_size} x {seq_len} tokens "
@@ -688,6 +691,24 @@ def _bench(args: argparse.Namespace) -> int:
               f"{cache_bytes / 1e6:,.1f} MB of tokens)")
     print(result.verdict())
     return 0
+
+
+def _bench_figures(cache: TokenCache, result: Any, workers: int, before: dict[str, Any],
+                   after: dict[str, Any]) -> dict[str, Any]:
+    """`torchcache bench --json`: the measured figures, and the remote counters' change."""
+    figures = {"path": cache.url, "workers": workers, "batches": result.batches,
+               "tokens": result.tokens, "step_ms": result.step_seconds * 1e3,
+               "seconds": result.seconds, "batches_per_second": result.batches_per_second,
+               "tokens_per_second": result.tokens_per_second,
+               "first_wait_seconds": result.first_wait_seconds,
+               "data_wait_seconds": result.data_wait_seconds,
+               "wait_per_step_seconds": result.wait_per_step,
+               "wait_fraction": result.wait_fraction, "keeps_up": result.keeps_up,
+               "verdict": result.verdict()}
+    if is_remote(cache.url):
+        figures["remote"] = {k: after[k] - before[k] for k in (
+            "whole_block_downloads", "ranged_reads", "bytes_downloaded")}
+    return figures
 
 
 # ---------------------------------------------------------------- remote caches and inputs
@@ -942,6 +963,7 @@ def make_parser() -> argparse.ArgumentParser:
     bench.add_argument("--cache-limit", default=None, metavar="SIZE",
                        help="for a remote cache: bound its local copies (bytes, or e.g. 2GB)")
     bench.add_argument("--seed", type=int, default=0, help="the shuffle's seed (default 0)")
+    bench.add_argument("--json", action="store_true", help="print JSON (for tools)")
     bench.set_defaults(func=_bench)
     return parser
 
