@@ -10,7 +10,8 @@ reads (in parallel, stored under CACHE/packs or --plan-dir), so training starts 
 `torchcache info CACHE` lists the plans stored for the cache. `torchcache mix plan recipe.yaml`
 plans a mixture schedule over caches before the run (samples, tokens, epochs per source).
 `torchcache trace RECIPE_OR_CACHE --step N` prints what a training step read: each sample's
-documents, input files and records.
+documents, input files and records. `torchcache bench CACHE --seq-len N --batch-size B --step-ms S`
+says whether a GPU with that step time would wait for the cache's data.
 """
 
 from __future__ import annotations
@@ -49,6 +50,7 @@ from .read.cache import TokenCache
 from .read.cache_files import locate_cache
 from .read.pack_plan import PackPlan, PlanIdentity, default_plan_root, list_plans, plan_identity
 from .train.recipe import RecipeError, load_recipe, plan_recipe
+from .train.step_bench import bench_steps
 
 
 def _build(args: argparse.Namespace) -> int:
@@ -651,6 +653,76 @@ def _clear(bar: tqdm) -> None:
     bar.close()
 
 
+def _bench(args: argparse.Namespace) -> int:
+    """`torchcache bench`: batches of a TokenDataset read under a simulated training step, and
+    whether the loop (the GPU) waits for them (see train/step_bench.py)."""
+    seq_len = int_arg(args.seq_len, "--seq-len", minimum=1, maximum=POSITION_LIMIT)
+    batch_size = int_arg(args.batch_size, "--batch-size", minimum=1)
+    workers = int_arg(args.workers, "--workers", minimum=0)
+    batches = int_arg(args.batches, "--batches", minimum=2)
+    if not 0 <= args.step_ms < float("inf"):  # (NaN too)
+        raise ValueError(f"--step-ms {args.step_ms:g}: give the training step's time in "
+                         "milliseconds, 0 or more")
+    if args.cache_limit is not None and not is_remote(args.cache):
+        raise ValueError(f"--cache-limit bounds the local copies of a remote cache; {args.cache} "
+                         "is local: leave --cache-limit out")
+    cache = TokenCache(args.cache, storage_options=args.storage_options, local_dir=args.local_dir,
+                       cache_limit=args.cache_limit)
+    dataset = torchcache.TokenDataset(cache, seq_len)
+    sampler = torchcache.DistributedSampler(dataset, num_replicas=1, rank=0, shuffle=True,
+                                            seed=args.seed, infinite=True)
+    loader = torchcache.DataLoader(dataset, batch_size=batch_size, sampler=sampler,
+                                   num_workers=workers)
+    before = cache.stats()
+    result = bench_steps(loader, args.step_ms / 1e3, batches)
+    after = cache.stats()
+    if args.json:
+        print(json.dumps(_bench_figures(cache, result, workers, before, after), indent=1))
+        return 0
+    mode = f"{_plural(workers, 'worker')}" if workers else \
+        f"in-process, {loader.prefetch_batches} batches ahead"
+    print(f"{cache.url}: {result.batches:,} batches of {batch_size} x {seq_len} tokens "
+          f"({mode}), a {args.step_ms:g} ms step after each")
+    print(f"  batches/s  {result.batches_per_second:,.1f}")
+    print(f"  tokens/s   {result.tokens_per_second:,.0f}")
+    print(f"  data wait  {result.wait_per_step * 1e3:.2f} ms per step, "
+          f"{result.wait_fraction:.1%} of the time")
+    print(f"  start-up   {result.first_wait_seconds * 1e3:.0f} ms to the first batch (not in the "
+          "figures above)")
+    if is_remote(cache.url):
+        done = {k: after[k] - before[k] for k in ("whole_block_downloads", "ranged_reads",
+                                                  "bytes_downloaded")}
+        itemsize = np.dtype(cache.dtype).itemsize
+        cache_bytes, read_bytes = cache.num_tokens * itemsize, result.tokens * itemsize
+        print(f"  requests   {done['whole_block_downloads'] + done['ranged_reads']:,} "
+              f"({_plural(done['whole_block_downloads'], 'whole block')}, "
+              f"{_plural(done['ranged_reads'], 'ranged read')})")
+        print(f"  downloaded {done['bytes_downloaded'] / 1e6:,.1f} MB "
+              f"({done['bytes_downloaded'] / read_bytes:.2f}x the tokens of the batches, "
+              f"{done['bytes_downloaded'] / cache_bytes:.2f}x the cache's "
+              f"{cache_bytes / 1e6:,.1f} MB of tokens)")
+    print(result.verdict())
+    return 0
+
+
+def _bench_figures(cache: TokenCache, result: Any, workers: int, before: dict[str, Any],
+                   after: dict[str, Any]) -> dict[str, Any]:
+    """`torchcache bench --json`: the measured figures, and the remote counters' change."""
+    figures = {"path": cache.url, "workers": workers, "batches": result.batches,
+               "tokens": result.tokens, "step_ms": result.step_seconds * 1e3,
+               "seconds": result.seconds, "batches_per_second": result.batches_per_second,
+               "tokens_per_second": result.tokens_per_second,
+               "first_wait_seconds": result.first_wait_seconds,
+               "data_wait_seconds": result.data_wait_seconds,
+               "wait_per_step_seconds": result.wait_per_step,
+               "wait_fraction": result.wait_fraction, "keeps_up": result.keeps_up,
+               "verdict": result.verdict()}
+    if is_remote(cache.url):
+        figures["remote"] = {k: after[k] - before[k] for k in (
+            "whole_block_downloads", "ranged_reads", "bytes_downloaded")}
+    return figures
+
+
 # ---------------------------------------------------------------- remote caches and inputs
 
 def _storage_option(text: str) -> tuple[str, Any]:
@@ -891,6 +963,28 @@ def make_parser() -> argparse.ArgumentParser:
     t.add_argument("--words", type=int, default=8, help="first words shown of each document")
     t.add_argument("--json", action="store_true", help="print JSON (for tools)")
     t.set_defaults(func=_trace)
+
+    bench = sub.add_parser(
+        "bench", help="would the GPU wait for data? read batches under a simulated training step",
+        parents=[remote_cache],
+        description="Read BATCHES batches of TokenDataset(CACHE, seq_len) through tc.DataLoader "
+                    "(shuffled), sleeping STEP_MS after each as a training step would take, and "
+                    "print batches/s, tokens/s, the time the loop waited for data (per step and "
+                    "as a share of the time) and a one-line verdict; for a remote cache also the "
+                    "requests made and the bytes downloaded.")
+    bench.add_argument("cache")
+    bench.add_argument("--seq-len", type=int, required=True, help="tokens per sample")
+    bench.add_argument("--batch-size", type=int, required=True, help="samples per batch")
+    bench.add_argument("--step-ms", type=float, required=True,
+                       help="the training step's time per batch, in milliseconds")
+    bench.add_argument("--workers", type=int, default=0,
+                       help="DataLoader worker processes (default 0: in-process read-ahead)")
+    bench.add_argument("--batches", type=int, default=100, help="batches read (default 100)")
+    bench.add_argument("--cache-limit", default=None, metavar="SIZE",
+                       help="for a remote cache: bound its local copies (bytes, or e.g. 2GB)")
+    bench.add_argument("--seed", type=int, default=0, help="the shuffle's seed (default 0)")
+    bench.add_argument("--json", action="store_true", help="print JSON (for tools)")
+    bench.set_defaults(func=_bench)
     return parser
 
 

@@ -26,6 +26,7 @@ import torch.utils.data
 
 from .._util.args import bool_arg, flag_arg, int_arg, number_arg, optional_int_arg
 from .counted import PassStart, pass_generators, sampler_name, skip_batches
+from .data_wait import PassWait, clock as _clock
 from ..order.permutation import PERMUTATION_ALGORITHM
 from ..order.steps import StepMap, StepSegment, check_state_steps, merge_skips
 from ..order.state import check_state
@@ -41,6 +42,7 @@ __all__ = ["DataLoader", "batched_reader", "pin_batch"]
 
 _DEFAULT_PREFETCH = 4  # batches read ahead by default for a dataset with get_batch
 _HANDED_KEPT = 64  # counts remembered for batches a trainer's fetcher may hold ahead (Lightning: 1)
+_WAITS_KEPT = 1000  # passes whose data wait stats() remembers (the latest ones)
 
 T_co = TypeVar("T_co", covariant=True)
 
@@ -380,6 +382,7 @@ class DataLoader(torch.utils.data.DataLoader[T_co]):
         self._fetch_ahead: FetchAhead | None = None
         self._handed: collections.deque[tuple[int, int, PassStart | None]] = \
             collections.deque(maxlen=_HANDED_KEPT)
+        self._waits: collections.deque[PassWait] = collections.deque(maxlen=_WAITS_KEPT)
 
     @staticmethod
     def _own_sampler(dataset: Any, sampler: DistributedSampler | None, shuffle: Any, seed: int | None,
@@ -429,6 +432,47 @@ class DataLoader(torch.utils.data.DataLoader[T_co]):
         self._adopt_sampler_moves()
         before = self._before_held()
         return self._consumed if before is None else before[0]
+
+    @property
+    def data_wait_seconds(self) -> float:
+        """Seconds the training loop has waited for data in the current pass (the latest
+        ``for batch in loader`` loop: a loader epoch, or its rest after a resume or a
+        ``break``): the time spent inside ``iter(loader)`` and its ``next()`` calls, in this
+        process, whatever makes the batches (worker processes, the read-ahead thread, this
+        thread). The time of the loop's own step between two batches is not counted, so a
+        wait near 0 means data keeps up; log it per epoch, or divide by the batches received
+        (:meth:`stats`). 0.0 before the first ``iter()``.
+
+        >>> loader = tc.DataLoader(range(100), batch_size=10)
+        >>> _ = [batch for batch in loader]
+        >>> 0 < loader.data_wait_seconds < 60
+        True
+        """
+        self._refuse_untimed("data_wait_seconds")
+        return self._waits[-1].wait if self._waits else 0.0
+
+    def stats(self) -> list[dict[str, Any]]:
+        """The data wait of this loader's passes, oldest first (the latest 1000), one dict per
+        ``iter()``: ``epoch`` (the loader epoch it started in; None with a sampler of your own),
+        ``batches`` (received), ``data_wait_seconds`` (see :attr:`data_wait_seconds`),
+        ``seconds`` (from ``iter()`` to the end of its latest ``next()``) and ``wait_fraction``
+        (``data_wait_seconds / seconds``: the share of the loop's time spent waiting for data).
+        A loader made to resume starts with no history: its first pass counts from the resume.
+
+        >>> loader = tc.DataLoader(range(100), batch_size=10)
+        >>> for epoch in range(2):
+        ...     _ = [batch for batch in loader]
+        >>> [(s["epoch"], s["batches"]) for s in loader.stats()]
+        [(0, 10), (1, 10)]
+        """
+        self._refuse_untimed("stats()")
+        return [wait.as_dict() for wait in self._waits]
+
+    def _refuse_untimed(self, what: str) -> None:
+        if self._iterable:
+            raise TypeError(f"{what}: this loader reads an IterableDataset "
+                            f"({type(self.dataset).__name__}) through torch's own iterator, which "
+                            "torchcache does not time; time `next(iterator)` in your loop instead")
 
     def _before_held(self) -> tuple[int, int, PassStart | None] | None:
         """The counts (consumed, pass_received, pass_start) as they were before the batches a
@@ -517,12 +561,14 @@ class DataLoader(torch.utils.data.DataLoader[T_co]):
     def __iter__(self) -> Iterator[Any]:
         if self._iterable:
             return super().__iter__()
+        began = _clock()  # iter() is waited for too (worker processes start here)
         fetch_ahead = FetchAhead.of_caller()
         self._follow_fetcher(fetch_ahead)
         self._stop_live(_REPLACED)
         if self._counted:
             generation = self._generation = self._generation + 1
-            live: _LiveIterator = _PassIterator(self, self._pass_batches(), generation)
+            wait = PassWait(None, began)
+            live: _LiveIterator = _PassIterator(self, self._pass_batches(), generation, wait)
         elif fetch_ahead is not None and self._pristine:
             # Lightning iterates a new loader before it calls sampler.set_epoch (resuming from
             # the end of an epoch, it loads no state and sets the next epoch): the iterator
@@ -530,13 +576,18 @@ class DataLoader(torch.utils.data.DataLoader[T_co]):
             if self._worker_loader is None:
                 _draw_base_seed(self.generator)
             generation = self._generation = self._generation + 1
-            live = _CountingIterator(self, iter(()), self._consumed, None, generation, pending=True)
+            wait = PassWait(None, began)  # its epoch: where it starts (_begin_pending)
+            live = _CountingIterator(self, iter(()), self._consumed, None, generation, wait,
+                                     pending=True)
         else:
             start, count, generation = self._start()
             if self._worker_loader is None:  # (the workers' loader draws it itself)
                 _draw_base_seed(self.generator)
-            live = _CountingIterator(self, self._batches(take=None), start, count, generation)
+            wait = PassWait(self.sampler.epoch, began)
+            live = _CountingIterator(self, self._batches(take=None), start, count, generation, wait)
         self._live = weakref.ref(live)
+        self._waits.append(wait)
+        wait.waited(began)
         return live
 
     def _begin_pending(self, live: _CountingIterator) -> None:
@@ -546,6 +597,7 @@ class DataLoader(torch.utils.data.DataLoader[T_co]):
         start, count, generation = self._start()
         self._fetch_ahead = fetch_ahead
         live.restart(self._batches(take=None), start, count, generation)
+        live.data_wait.epoch = self.sampler.epoch
         live.pending = False
         self._live = weakref.ref(live)
 
@@ -1262,10 +1314,12 @@ class _LiveIterator:
     """A loader's live iterator: wraps the batches of one mode and counts what it returns in
     the loader (subclasses: ``_received_batch``, ``_ended``); the loader can stop it."""
 
-    def __init__(self, loader: DataLoader, inner: Iterator[Any], generation: int) -> None:
+    def __init__(self, loader: DataLoader, inner: Iterator[Any], generation: int,
+                 wait: PassWait) -> None:
         self._loader = loader
         self._inner = inner
         self._generation = generation
+        self.data_wait = wait  # this pass's time in iter() and next() (loader.stats())
         self._stopped: str | None = None  # why the loader stopped this iterator
         self._done = False
         self._failed = 0  # batches raised as errors since the last one returned
@@ -1282,6 +1336,22 @@ class _LiveIterator:
         return self
 
     def __next__(self) -> Any:
+        # the loop waits for data all the time it spends here, errors included (PassWait.waited
+        # inlined, and the batch counted)
+        wait, began = self.data_wait, _clock()
+        try:
+            batch = self._next()
+        except BaseException:
+            wait.last = now = _clock()
+            wait.wait += now - began
+            raise
+        wait.last = now = _clock()
+        wait.wait += now - began
+        wait.batches += 1
+        return batch
+
+    def _next(self) -> Any:
+        """The next batch (``__next__`` without the timing)."""
         if self._done:
             raise StopIteration
         if self._stopped is None:
@@ -1339,8 +1409,8 @@ class _CountingIterator(_LiveIterator):
     """Advances ``loader._consumed`` (global stream positions) as batches are returned."""
 
     def __init__(self, loader: DataLoader, inner: Iterator[Any], start: int, count: int | None,
-                 generation: int, pending: bool = False) -> None:
-        super().__init__(loader, inner, generation)
+                 generation: int, wait: PassWait, pending: bool = False) -> None:
+        super().__init__(loader, inner, generation, wait)
         self._start = start
         self._count = count
         self._world = loader.sampler.world_size
@@ -1354,14 +1424,14 @@ class _CountingIterator(_LiveIterator):
         self._inner, self._start, self._count, self._generation = inner, start, count, generation
         self._received = 0
 
-    def __next__(self) -> Any:
+    def _next(self) -> Any:
         loader = self._loader
         if self.pending and self._stopped is None:
             loader._begin_pending(self)
         if loader._skips and not self._done and self._stopped is None \
                 and loader._generation == self._generation:
             loader._jump_past_skips(self)
-        return super().__next__()
+        return super()._next()
 
     def _received_batch(self, counts: bool) -> None:
         loader = self._loader
