@@ -19,7 +19,8 @@ ratio remote / local, of epochs run one after the other), the HTTP requests the 
 downloaded over the cache's size, bytes downloaded that no read asked for (``wasted``: the gaps
 coalesced requests span), the hit rate, and the largest size the local directory reached
 (sampled at every batch) against the limit. With ``--rounds N`` the whole table is run N times
-(a fresh local directory each round).
+(a fresh local directory each round). ``--persistent``: both loaders keep their workers from
+one epoch to the next (a new worker's first batch waits for its S3 client and first requests).
 
 ``--latency-ms`` makes the server sleep that long before answering each request (in the
 request's own server thread, so concurrent requests overlap as with a real store's first-byte
@@ -135,6 +136,9 @@ def main() -> None:
     p.add_argument("--latency-ms", type=float, nargs="+", default=[30.0])
     p.add_argument("--epochs", type=int, default=2)
     p.add_argument("--rounds", type=int, default=1)
+    p.add_argument("--persistent", action="store_true",
+                   help="persistent_workers=True (both loaders): workers, their S3 clients and "
+                        "read-ahead live on from one epoch to the next")
     args = p.parse_args()
     logging.getLogger("werkzeug").setLevel(logging.ERROR)
 
@@ -178,10 +182,13 @@ def bench_one(path: str, options: dict, server: subprocess.Popen, r: int, latenc
     local_ds, remote_ds = tc.TokenDataset(path, args.seq), tc.TokenDataset(remote, args.seq)
     # one loader each, iterated epoch after epoch (the stream goes on: epoch 2 is a new
     # permutation)
+    persistent = args.persistent and workers > 0
     local_loader = tc.DataLoader(local_ds, batch_size=args.batch, num_workers=workers,
-                                 sampler=tc.DistributedSampler(local_ds, seed=0))
+                                 sampler=tc.DistributedSampler(local_ds, seed=0),
+                                 persistent_workers=persistent)
     remote_loader = tc.DataLoader(remote_ds, batch_size=args.batch, num_workers=workers,
-                                  sampler=tc.DistributedSampler(remote_ds, seed=0))
+                                  sampler=tc.DistributedSampler(remote_ds, seed=0),
+                                  persistent_workers=persistent)
     before, requests = remote.stats(), server_counts(server)
     for e in range(args.epochs):
         local_rate, n_local, _ = run_epoch(local_loader, step_ms / 1e3, None)

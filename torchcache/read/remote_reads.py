@@ -395,7 +395,8 @@ class BoundedReader:
         self._keys: tuple[int, np.ndarray, np.ndarray] | None = None
         self._pins: OrderedDict[tuple[str, str], PinnedObject] = OrderedDict()
         self._pinning: dict[tuple[str, str], threading.Lock] = {}  # one pin per block at a time
-        # read-ahead depth (see _depth): recent seconds per remote request and per read made
+        self._copy_paths: dict[tuple[str, str], str] = {}  # (file, checksum) -> its copy's path
+        # read-ahead depth (see fetch_depth): recent seconds per remote request and per read made
         self._service_s = self._per_read_s = 0.0
         self._last_call: float | None = None
         self._boost = 1.0  # grows when a read fetched ahead was not there in time
@@ -509,19 +510,20 @@ class BoundedReader:
                     _pread_fully(fd, flat[to:to + (end - first) * item], data_start + first * item, path)
                 continue
             jobs.extend(self._ranged_jobs(table, item, b, lo[group], hi[group], dest[group], flat))
-        if len(jobs) == 1:
+        futures = []
+        if len(jobs) == 1 and self._batch is None:  # nothing to fetch ahead: one request, here
             (key, a, z), targets = jobs[0]
             _scatter(self._fetch_parts([(key, a, z)]), targets)
         elif jobs:
             pool = self._executor()
             futures = [(pool.submit(self._fetch_parts, [where]), targets) for where, targets in jobs]
-            for future, targets in futures:
-                _scatter(future.result(), targets)
-        for target, future, offset in waiting:
-            target[:] = memoryview(future.result())[offset:offset + len(target)]
         if snapshot is not None and self._fds:
             self._release_unneeded(snapshot)
-        self._pump(table, dtype, snapshot)
+        self._pump(table, dtype, snapshot)  # (while this call's own requests are answered)
+        for future, targets in futures:
+            _scatter(future.result(), targets)
+        for target, future, offset in waiting:
+            target[:] = memoryview(future.result())[offset:offset + len(target)]
         read = lengths > 0
         self.stats_counter.add_many({"hits": int((read & ~missed).sum()),
                                      "misses": int(missed.sum()) + len(waiting),
@@ -727,7 +729,7 @@ class BoundedReader:
         verified version of the block)."""
         began = time.perf_counter()
         data = [self._ranged(key, a, z) for key, a, z in parts]
-        spent = time.perf_counter() - began  # (a hint for _depth: written without the lock)
+        spent = time.perf_counter() - began  # (a hint for fetch_depth: written without the lock)
         self._service_s = spent if not self._service_s else 0.8 * self._service_s + 0.2 * spent
         self.stats_counter.flush()
         return data[0] if len(data) == 1 else b"".join(data)
@@ -843,16 +845,21 @@ class BoundedReader:
         False (nothing started) when it waits for a free slot for a block copy."""
         if start in self._rows:
             return True
-        item = dtype.itemsize
-        _, blocks, los, his = block_pieces(table.token_starts, np.array([start], dtype=np.int64),
-                                           np.array([length], dtype=np.int64))
-        parts = list(zip(blocks.tolist(), los.tolist(), his.tolist()))
+        item, token_starts = dtype.itemsize, table.token_starts
+        b = int(np.searchsorted(token_starts, start, side="right")) - 1
+        base = int(token_starts[b])
+        if start + length <= int(token_starts[b + 1]):  # inside one block (the usual read)
+            parts = [(b, start - base, start + length - base)]
+        else:
+            _, blocks, los, his = block_pieces(token_starts, np.array([start], dtype=np.int64),
+                                               np.array([length], dtype=np.int64))
+            parts = list(zip(blocks.tolist(), los.tolist(), his.tolist()))
         ranged, copies = False, []
         for b, _, _ in parts:
             if b in self._fds or b in self._blocks:
                 continue
             rel = table.path(b)
-            if os.path.exists(self.copies.dir.path(copy_name(rel, table.checksum(b)))):
+            if os.path.exists(self._copy_path(rel, table.checksum(b))):
                 continue
             if self._admit(table, b, snapshot):
                 copies.append((b, rel))
@@ -873,6 +880,18 @@ class BoundedReader:
             self._useful += length * item
             self._rows[start] = (k, self._executor().submit(self._fetch_parts, where), length, 0)
         return True
+
+    def _copy_path(self, rel: str, checksum: str) -> str:
+        """Where block file ``rel``'s copy is when there is one (resolved, and checked to lead
+        nowhere outside the directory, once per block: a hint for the read-ahead, which opens
+        copies through LocalCopies.open_copy)."""
+        key = (rel, checksum)
+        path = self._copy_paths.get(key)
+        if path is None:
+            if len(self._copy_paths) >= 1 << 16:
+                self._copy_paths.clear()
+            path = self._copy_paths[key] = self.copies.dir.path(copy_name(rel, checksum))
+        return path
 
     def _prefetch_run(self, table: Any, item: int, k: int, start: int, part: tuple[int, int, int],
                       length: int, window: tuple) -> None:
