@@ -273,8 +273,10 @@ class TokenCache:
             the processes sharing
             ``local_dir`` should use the same limit.
         fetch_threads: with ``cache_limit``, the most remote requests one process makes at once.
-        readahead: with ``cache_limit``, how many of its next planned reads a process fetches
-            ahead (whole blocks the policy keeps, ranged reads of the others).
+        readahead: with ``cache_limit``, the most of its next planned reads a process holds
+            fetched ahead (whole blocks the policy keeps, ranged reads of the others): it fetches
+            as far ahead as the measured time of a request needs, and coalesces the ranged reads
+            of one block within this window into fewer requests (0: no read-ahead).
         lookahead: with ``cache_limit``, how many planned reads the eviction policy looks at.
         map_bytes: the most bytes of block files this cache keeps memory-mapped in a process
             (an int or a size string, as ``cache_limit``); blocks beyond it are read with
@@ -341,7 +343,7 @@ class TokenCache:
     def __init__(self, path: str | os.PathLike, *, verify_checksums: bool = False,
                  storage_options: dict[str, Any] | None = None, local_dir: str | None = None,
                  cache_limit: int | str | None = None, fetch_threads: int = 16,
-                 readahead: int = 256, lookahead: int = 16384,
+                 readahead: int = 1024, lookahead: int = 16384,
                  map_bytes: int | str = DEFAULT_MAP_BYTES):
         limit = None if cache_limit is None else parse_size(cache_limit, "cache_limit")
         fetch_threads = int_arg(fetch_threads, "fetch_threads", 1, 1024)
@@ -833,15 +835,17 @@ class TokenCache:
     def stats(self) -> dict[str, Any]:
         """Counters of remote reading since this cache was opened, summed over its DataLoader
         workers: ``bytes_downloaded`` (all remote bytes), ``whole_block_downloads`` and
-        ``whole_block_bytes`` (block copies), ``ranged_reads`` and ``ranged_bytes`` (reads of
-        just a sample's bytes), ``other_bytes`` (offsets, keys, tokenizer, arrays sidecars),
-        ``hits`` (reads served from local copies), ``misses`` (reads that needed remote bytes; ``prefetched``
+        ``whole_block_bytes`` (block copies), ``ranged_reads`` and ``ranged_bytes`` (ranged
+        requests for just the bytes of samples, coalesced), ``other_bytes`` (offsets, keys,
+        tokenizer, arrays sidecars), ``hits`` (reads served from local copies), ``misses``
+        (reads that needed remote bytes; ``prefetched``
         of them were fetched ahead), ``hit_rate``, ``evictions``, ``evicted_bytes``,
         ``refused_copies`` (blocks read by range because no room was worth making),
         ``verified_bytes`` (blocks downloaded whole once per machine before their first ranged
         read, to check them against their committed checksums),
-        ``local_bytes`` (the copy directory's size now) and ``cache_limit``. Hits and misses are
-        counted only under a ``cache_limit``; a local cache reports zeros.
+        ``wasted_bytes`` (bytes between ranges that one coalesced request spanned, part of
+        ``ranged_bytes``), ``local_bytes`` (the copy directory's size now) and ``cache_limit``.
+        Hits and misses are counted only under a ``cache_limit``; a local cache reports zeros.
 
         >>> s = cache.stats()  # doctest: +SKIP
         >>> s["bytes_downloaded"] / cache_bytes, s["hit_rate"]  # doctest: +SKIP

@@ -368,7 +368,7 @@ def _remove_markers(path: str) -> None:
 
 STAT_FIELDS = ("bytes_downloaded", "whole_block_downloads", "whole_block_bytes", "ranged_reads",
                "ranged_bytes", "other_bytes", "hits", "misses", "prefetched", "evictions",
-               "evicted_bytes", "refused_copies", "verified_bytes")
+               "evicted_bytes", "refused_copies", "verified_bytes", "wasted_bytes")
 _STATS_FORMAT = struct.Struct(f"<{len(STAT_FIELDS)}q")
 
 

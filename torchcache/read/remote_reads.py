@@ -10,8 +10,15 @@ read (a :class:`ReadOrder`; :class:`torchcache.DataLoader`, when it starts itera
 
 A call reads a batch of token ranges (:meth:`BoundedReader.read_ranges`, what every
 :class:`torchcache.TokenCache` read comes down to) block by block: one decision per block (its
-local copy, a copy made now, or ranged requests), and one ranged request per run of touching or
-overlapping ranges inside a block, the requests of a call made in parallel.
+local copy, a copy made now, or ranged requests), and one ranged request per run of coalesced
+ranges inside a block (below), the requests of a call made in parallel.
+
+Coalescing (fewer, larger requests): ranges of one block that touch or overlap are one request;
+so are ranges a small gap apart, by this rule: a gap is spanned when it is at most the size of
+the range it adds and at most ``_MAX_GAP`` (64 KiB), and only while the gap bytes a process has
+spanned stay within a quarter (``1/_WASTE_SHARE``) of the ranged bytes it asked for. The gap
+bytes are downloaded for nothing: ``stats()["wasted_bytes"]`` (part of ``ranged_bytes``). It
+applies to the ranges of one call and to the reads fetched ahead (below).
 
 Policy (Belady with bypass, over the lookahead window):
 
@@ -36,12 +43,19 @@ after the process's last read: its reads only move forward), so a DataLoader wor
 of the sampler stays where it was when the worker started, finds its place by itself; a
 sampler moved in the main process (a new ``iter()``, a resume) re-anchors the plan there.
 
-Read-ahead: after each read the reader looks at its own next ``readahead`` planned reads (in a
-DataLoader worker, the batches torch will send to that worker: every ``num_workers``-th batch,
-up to the end of the loader epoch, where non-persistent workers exit; the order says how many
-workers take turns, :attr:`ReadOrder.workers`) and starts, on a pool of
-``fetch_threads`` threads, the block copies the policy admits and ranged reads for the rest, so
-remote requests overlap training.
+Read-ahead: after each read the reader looks at its own next planned reads (in a DataLoader
+worker, the batches torch will send to that worker: every ``num_workers``-th batch, up to the
+end of the loader epoch, where non-persistent workers exit; the order says how many workers take
+turns, :attr:`ReadOrder.workers`) and starts, on a pool of ``fetch_threads`` threads, the block
+copies the policy admits and ranged reads for the rest, so remote requests overlap training.
+How far ahead is measured, not a constant (:func:`fetch_depth`): the reads this process makes
+while one request is answered (seconds per request, which include the transfer, over seconds
+per read), twice over, plus a batch; deeper while reads fetched ahead still come in late. Each
+ranged read started ahead takes with it, in one request, the reads of its block among the next
+``readahead`` (at most ``_AHEAD_BYTES`` of them, held in memory until read) that coalescing
+allows. The processes of a machine share the copies and their budget (the directory's limit and
+lock): a block is downloaded whole by one process while the others wait for its copy, and a
+copy is evicted only for a block needed sooner (Belady), never while a process has it open.
 
 Trust: whole-block copies are verified by checksum, named by it, and checked again when reused
 (:mod:`torchcache.read.local_copies`). A ranged read cannot be checked by itself (the index has one
@@ -59,6 +73,7 @@ from __future__ import annotations
 
 import os
 import threading
+import time
 import weakref
 from collections import OrderedDict
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -73,12 +88,15 @@ from .cache_files import CacheFiles, check_block_file
 from .local_copies import (BUSY, EXISTS, REFUSED, LocalCopies, Resident, SessionStats, copy_name,
                            fetch_verified, pin_verified, read_pinned)
 
-__all__ = ["ArrayReads", "BoundedReader", "ReadOrder", "SamplerReads", "block_pieces"]
+__all__ = ["ArrayReads", "BoundedReader", "ReadOrder", "SamplerReads", "block_pieces", "fetch_depth"]
 
 _MAX_OPEN_COPIES = 4  # block copies a reader keeps open (and so protected from eviction)
 _MAX_PINS = 1024  # remote block objects a reader keeps pinned (one metadata request each)
 _SNAPSHOT_EVERY = 32  # reads the cursor moves (at least) before the next-use table is recomputed
 _NEVER = np.iinfo(np.int64).max
+_MAX_GAP = 64 << 10  # the most unasked bytes one coalesced request may span between two reads
+_WASTE_SHARE = 4  # a process's coalesced gap bytes stay <= 1/4 of the ranged bytes it asks for
+_AHEAD_BYTES = 64 << 20  # the most bytes of planned reads a process holds fetched ahead
 
 
 # ---------------------------------------------------------------- read orders
@@ -364,7 +382,8 @@ class BoundedReader:
         self._mu = threading.Lock()
         self._pool: ThreadPoolExecutor | None = None
         self._fds: OrderedDict[int, tuple[int, int, str]] = OrderedDict()  # block -> (fd, data start, path)
-        self._rows: dict[int, tuple[int, Future, int]] = {}  # token start -> (read, future, length)
+        # token start -> (read, future, length, byte offset of the read in the future's bytes)
+        self._rows: dict[int, tuple[int, Future, int, int]] = {}
         self._blocks: dict[int, Future] = {}  # block copies in flight
         self._plan: _Plan | None = None
         self._batch: tuple[int, int] | None = None  # (first read, reads) of the last call
@@ -375,6 +394,13 @@ class BoundedReader:
         self._free: int | None = None  # room left at the last reservation (a hint)
         self._keys: tuple[int, np.ndarray, np.ndarray] | None = None
         self._pins: OrderedDict[tuple[str, str], PinnedObject] = OrderedDict()
+        self._pinning: dict[tuple[str, str], threading.Lock] = {}  # one pin per block at a time
+        self._copy_paths: dict[tuple[str, str], str] = {}  # (file, checksum) -> its copy's path
+        # read-ahead depth (see fetch_depth): recent seconds per remote request and per read made
+        self._service_s = self._per_read_s = 0.0
+        self._last_call: float | None = None
+        self._boost = 1.0  # grows when a read fetched ahead was not there in time
+        self._useful = self._wasted = 0  # ranged bytes asked for, and gap bytes coalesced
 
     def _after_fork(self) -> None:
         for fd, _, _ in self._fds.values():  # the child's duplicates; the parent keeps its locks
@@ -453,14 +479,19 @@ class BoundedReader:
         flat = memoryview(out.reshape(-1).view(np.uint8))
         self._reads += len(starts)
         snapshot = self._track(token_starts, starts, lengths)
+        self._note_pace(len(starts))
         waiting = []
         if self._rows:  # ranges fetched ahead: whole reads of the plan
             lengths = lengths.copy()
+            late = False
             for k, (start, n, a) in enumerate(zip(starts.tolist(), lengths.tolist(), at.tolist())):
                 ahead = self._rows.pop(start, None)
                 if ahead is not None and ahead[2] == n:
-                    waiting.append((flat[a * item:(a + n) * item], ahead[1]))
+                    waiting.append((flat[a * item:(a + n) * item], ahead[1], ahead[3]))
+                    late |= not ahead[1].done()
                     lengths[k] = 0  # read: no pieces left
+            if waiting:  # fetch further ahead while reads fetched ahead come in late
+                self._boost = min(8.0, self._boost * 1.5) if late else max(1.0, self._boost * 0.97)
         ranges, blocks, lo, hi = block_pieces(token_starts, starts, lengths)
         dest = (at[ranges] + token_starts[blocks] + lo - starts[ranges]) * item
         missed = np.zeros(len(starts), dtype=bool)  # ranges that needed remote bytes
@@ -479,19 +510,20 @@ class BoundedReader:
                     _pread_fully(fd, flat[to:to + (end - first) * item], data_start + first * item, path)
                 continue
             jobs.extend(self._ranged_jobs(table, item, b, lo[group], hi[group], dest[group], flat))
-        if len(jobs) == 1:
+        futures = []
+        if len(jobs) == 1 and self._batch is None:  # nothing to fetch ahead: one request, here
             (key, a, z), targets = jobs[0]
             _scatter(self._fetch_parts([(key, a, z)]), targets)
         elif jobs:
             pool = self._executor()
             futures = [(pool.submit(self._fetch_parts, [where]), targets) for where, targets in jobs]
-            for future, targets in futures:
-                _scatter(future.result(), targets)
-        for target, future in waiting:
-            target[:] = future.result()
         if snapshot is not None and self._fds:
             self._release_unneeded(snapshot)
-        self._pump(table, dtype, snapshot)
+        self._pump(table, dtype, snapshot)  # (while this call's own requests are answered)
+        for future, targets in futures:
+            _scatter(future.result(), targets)
+        for target, future, offset in waiting:
+            target[:] = memoryview(future.result())[offset:offset + len(target)]
         read = lengths > 0
         self.stats_counter.add_many({"hits": int((read & ~missed).sum()),
                                      "misses": int(missed.sum()) + len(waiting),
@@ -501,16 +533,20 @@ class BoundedReader:
     def _ranged_jobs(self, table: Any, item: int, b: int, lo: np.ndarray, hi: np.ndarray,
                      dest: np.ndarray, flat: memoryview) -> list[tuple[tuple, list]]:
         """The ranged requests for pieces ``[lo, hi)`` of block b (sorted by ``lo``): one per
-        run of touching or overlapping pieces, each with where its bytes go
-        (``(destination, offset in the request's bytes)``)."""
+        run of pieces that touch, overlap, or are a small gap apart (:meth:`_coalesce`), each
+        with where its bytes go (``(destination, offset in the request's bytes)``)."""
         jobs: list[tuple[tuple, list]] = []
         run_lo = run_hi = -1
         targets: list[tuple[memoryview, int]] = []
         for first, end, to in zip(lo.tolist(), hi.tolist(), dest.tolist()):
-            if first > run_hi:  # a gap: the run so far is one request
-                if targets:
+            piece = (end - first) * item
+            if first > run_hi and not (targets and self._coalesce((first - run_hi) * item, piece)):
+                if targets:  # a gap too large to span: the run so far is one request
                     jobs.append((self._byte_range(table, item, b, run_lo, run_hi), targets))
                 run_lo, run_hi, targets = first, end, []
+                self._useful += piece
+            elif first <= run_hi:
+                self._useful += piece
             run_hi = max(run_hi, end)
             targets.append((flat[to:to + (end - first) * item], (first - run_lo) * item))
             self._note_ranged(b, (end - first) * item)
@@ -718,7 +754,10 @@ class BoundedReader:
     def _fetch_parts(self, parts: list[tuple[tuple[str, str, int], int, int]]) -> bytes:
         """The bytes of one read, one ranged request per block it crosses (pinned to a
         verified version of the block)."""
+        began = time.perf_counter()
         data = [self._ranged(key, a, z) for key, a, z in parts]
+        spent = time.perf_counter() - began  # (a hint for fetch_depth: written without the lock)
+        self._service_s = spent if not self._service_s else 0.8 * self._service_s + 0.2 * spent
         self.stats_counter.flush()
         return data[0] if len(data) == 1 else b"".join(data)
 
@@ -751,27 +790,38 @@ class BoundedReader:
             if pinned is not None:
                 self._pins.move_to_end((rel, checksum))
                 return pinned, None
-        copy = self.copies.dir.path(copy_name(rel, checksum))
-        pinned, whole = pin_verified(self.remote, rel, checksum, size, copy)
-        if whole is not None:
-            self.stats_counter.add_many({"bytes_downloaded": len(whole),
-                                         "verified_bytes": len(whole)})
-        with self._mu:
-            self._pins[(rel, checksum)] = pinned
-            while len(self._pins) > _MAX_PINS:
-                self._pins.popitem(last=False)
+            pinning = self._pinning.setdefault((rel, checksum), threading.Lock())
+        with pinning:  # the reads of a block fetched at once pin it once (one metadata request)
+            with self._mu:
+                pinned = self._pins.get((rel, checksum))
+            if pinned is not None:
+                return pinned, None
+            copy = self.copies.dir.path(copy_name(rel, checksum))
+            pinned, whole = pin_verified(self.remote, rel, checksum, size, copy)
+            if whole is not None:
+                self.stats_counter.add_many({"bytes_downloaded": len(whole),
+                                             "verified_bytes": len(whole)})
+            with self._mu:
+                self._pins[(rel, checksum)] = pinned
+                self._pinning.pop((rel, checksum), None)
+                while len(self._pins) > _MAX_PINS:
+                    self._pins.popitem(last=False)
         return pinned, whole
 
     def _pump(self, table: Any, dtype: np.dtype, snapshot: tuple | None) -> None:
-        """Start fetching this process's next ``readahead`` planned reads."""
+        """Start fetching this process's next planned reads: as many as cover the time a request
+        takes at the pace reads are made (:func:`fetch_depth`), each ranged read together with the
+        later reads of its block among the next ``readahead`` (at most ``_AHEAD_BYTES`` of them)
+        it can be coalesced with."""
         plan, batch = self._plan, self._batch
         if plan is None or batch is None or self.readahead <= 0:
             return
-        if len(self._rows) >= self.readahead:
-            self._drop_stale_rows(plan)
-            if len(self._rows) >= self.readahead:
-                return
         first, size = batch
+        most = min(self.readahead, max(size, _AHEAD_BYTES // (plan.length * self.itemsize)))
+        if len(self._rows) >= most:
+            self._drop_stale_rows(plan)
+            if len(self._rows) >= most:
+                return
         workers = self.order.workers
         step = max(1, workers) * size  # this worker's next batch starts step reads later
         horizon = min(plan.hi, plan.cursor + 1 + plan.lookahead // 2)  # keep what the policy sees
@@ -779,38 +829,64 @@ class BoundedReader:
             end = self.order.pass_end(plan.cursor)
             if end is not None:
                 horizon = min(horizon, end)
-        examined, t = 0, 1
-        while examined < self.readahead:
-            begin = first + t * step
-            if begin >= horizon:
-                break
-            for k in range(begin, min(begin + size, horizon)):
-                examined += 1
-                if k <= self._pumped:
-                    continue
-                if len(self._rows) >= self.readahead:
-                    return
-                if not self._prefetch(table, dtype, snapshot, k, plan.start(k), plan.length):
-                    return
-                self._pumped = k
-            t += 1
+        mine = _own_reads(first, size, step, horizon, most)
+        todo = mine[:fetch_depth(self._service_s, self._per_read_s, size, most, self._boost)]
+        todo = todo[todo > self._pumped]
+        if not len(todo):
+            return
+        starts = plan.starts[mine - plan.lo]
+        token_starts = table.token_starts
+        window = (mine, starts, np.searchsorted(token_starts, starts, side="right") - 1,
+                  np.searchsorted(token_starts, starts + (plan.length - 1), side="right") - 1)
+        for k in todo.tolist():
+            if len(self._rows) >= most:
+                return
+            if not self._prefetch(table, dtype, snapshot, k, plan.start(k), plan.length, window):
+                return
+            self._pumped = k
+
+    def _note_pace(self, reads: int) -> None:
+        """Measure the time between this process's reads (a pause of over a second per read,
+        e.g. an evaluation, counts as one second)."""
+        now = time.perf_counter()
+        if self._last_call is not None and reads:
+            per = min(1.0, (now - self._last_call) / reads)
+            self._per_read_s = per if not self._per_read_s else 0.9 * self._per_read_s + 0.1 * per
+        self._last_call = now
+
+    def _coalesce(self, gap: int, piece: int) -> bool:
+        """Whether one request may span ``gap`` unasked bytes to also fetch a ``piece`` of that
+        many bytes: the rule is a gap of at most the piece's size and at most ``_MAX_GAP``,
+        with this process's spanned bytes staying within 1/``_WASTE_SHARE`` of the ranged bytes
+        it asks for. Counts both when it may (``wasted_bytes`` in the stats)."""
+        if gap > min(_MAX_GAP, piece) or (self._wasted + gap) * _WASTE_SHARE > self._useful + piece:
+            return False
+        self._wasted += gap
+        self._useful += piece
+        self.stats_counter.add("wasted_bytes", gap)
+        return True
 
     def _prefetch(self, table: Any, dtype: np.dtype, snapshot: tuple | None, k: int, start: int,
-                  length: int) -> bool:
+                  length: int, window: tuple) -> bool:
         """Start fetching read k: copies of its blocks the policy admits, else a ranged read.
         False (nothing started) when it waits for a free slot for a block copy."""
         if start in self._rows:
             return True
-        item = dtype.itemsize
-        _, blocks, los, his = block_pieces(table.token_starts, np.array([start], dtype=np.int64),
-                                           np.array([length], dtype=np.int64))
-        parts = list(zip(blocks.tolist(), los.tolist(), his.tolist()))
+        item, token_starts = dtype.itemsize, table.token_starts
+        b = int(np.searchsorted(token_starts, start, side="right")) - 1
+        base = int(token_starts[b])
+        if start + length <= int(token_starts[b + 1]):  # inside one block (the usual read)
+            parts = [(b, start - base, start + length - base)]
+        else:
+            _, blocks, los, his = block_pieces(token_starts, np.array([start], dtype=np.int64),
+                                               np.array([length], dtype=np.int64))
+            parts = list(zip(blocks.tolist(), los.tolist(), his.tolist()))
         ranged, copies = False, []
         for b, _, _ in parts:
             if b in self._fds or b in self._blocks:
                 continue
             rel = table.path(b)
-            if os.path.exists(self.copies.dir.path(copy_name(rel, table.checksum(b)))):
+            if os.path.exists(self._copy_path(rel, table.checksum(b))):
                 continue
             if self._admit(table, b, snapshot):
                 copies.append((b, rel))
@@ -824,15 +900,70 @@ class BoundedReader:
             self._blocks[b] = future
             future.add_done_callback(lambda f, b=b: self._blocks.pop(b, None)
                                      if self._blocks.get(b) is f else None)
-        if ranged:
+        if ranged and len(parts) == 1:
+            self._prefetch_run(table, item, k, start, parts[0], length, window)
+        elif ranged:
             where = [self._byte_range(table, item, b, lo, hi) for b, lo, hi in parts]
-            self._rows[start] = (k, self._executor().submit(self._fetch_parts, where), length)
+            self._useful += length * item
+            self._rows[start] = (k, self._executor().submit(self._fetch_parts, where), length, 0)
         return True
+
+    def _copy_path(self, rel: str, checksum: str) -> str:
+        """Where block file ``rel``'s copy is when there is one (resolved, and checked to lead
+        nowhere outside the directory, once per block: a hint for the read-ahead, which opens
+        copies through LocalCopies.open_copy)."""
+        key = (rel, checksum)
+        path = self._copy_paths.get(key)
+        if path is None:
+            if len(self._copy_paths) >= 1 << 16:
+                self._copy_paths.clear()
+            path = self._copy_paths[key] = self.copies.dir.path(copy_name(rel, checksum))
+        return path
+
+    def _prefetch_run(self, table: Any, item: int, k: int, start: int, part: tuple[int, int, int],
+                      length: int, window: tuple) -> None:
+        """One ranged request for read k (tokens ``[lo, hi)`` of block b) and the later reads of
+        block b in ``window`` (this process's next planned reads) that :meth:`_coalesce` lets it
+        span to, nearest first; each read a row of the request's bytes."""
+        b, lo, hi = part
+        ks, starts, first_block, last_block = window
+        base = int(table.token_starts[b])
+        later = np.flatnonzero((first_block == b) & (last_block == b) & (ks > k))
+        found: dict[int, int] = {}
+        for s, kk in zip(starts[later].tolist(), ks[later].tolist()):
+            if s != start and s not in self._rows:
+                found.setdefault(s, kk)
+        members = [(start, k, lo)]
+        run_lo, run_hi = lo, hi
+        self._useful += (hi - lo) * item
+        if found:
+            los = np.array(sorted(found), dtype=np.int64) - base
+            right, left = los[los >= lo].tolist(), los[los < lo][::-1].tolist()
+            for a in right:  # toward the end of the block
+                z = a + length
+                if a > run_hi and not self._coalesce((a - run_hi) * item, length * item):
+                    break
+                if a <= run_hi:
+                    self._useful += length * item
+                members.append((base + a, found[base + a], a))
+                run_hi = max(run_hi, z)
+            for a in left:  # toward its start
+                z = a + length
+                if z < run_lo and not self._coalesce((run_lo - z) * item, length * item):
+                    break
+                if z >= run_lo:
+                    self._useful += length * item
+                members.append((base + a, found[base + a], a))
+                run_lo = min(run_lo, a)
+        where = self._byte_range(table, item, b, run_lo, run_hi)
+        future = self._executor().submit(self._fetch_parts, [where])
+        for s, kk, a in members:
+            self._rows[s] = (kk, future, length, (a - run_lo) * item)
 
     def _drop_stale_rows(self, plan: _Plan) -> None:
         """Forget reads fetched ahead that the plan will not make soon (it moved)."""
         behind, beyond = plan.cursor - plan.back, plan.cursor + plan.lookahead
-        for start in [s for s, (k, _, _) in self._rows.items() if not behind <= k <= beyond]:
+        for start in [s for s, (k, *_) in self._rows.items() if not behind <= k <= beyond]:
             self._rows.pop(start, None)
 
     # ------------------------------------------------------------ reports and eviction
@@ -856,6 +987,31 @@ class BoundedReader:
         self.stats_counter.flush()
         self._free = None
         return freed
+
+
+def fetch_depth(request_s: float, read_s: float, batch: int, most: int, boost: float = 1.0) -> int:
+    """How many of its next planned reads a process keeps fetched ahead: the reads it makes
+    while one request is answered (``request_s``, measured seconds per remote request, over
+    ``read_s``, measured seconds between its reads), twice over (times ``boost``, which grows
+    while reads fetched ahead come in late), plus one batch; between one ``batch`` and ``most``.
+    Two batches before anything is measured (a time of 0).
+
+    >>> fetch_depth(0.030, 0.005, 8, 1024), fetch_depth(0.100, 0.005, 8, 1024), fetch_depth(0, 0, 8, 1024)
+    (20, 48, 16)
+    """
+    if not (request_s > 0 and read_s > 0):
+        return max(batch, min(most, 2 * batch))
+    depth = batch + int(np.ceil(2 * boost * request_s / read_s))
+    return max(batch, min(most, depth))
+
+
+def _own_reads(first: int, size: int, step: int, horizon: int, count: int) -> np.ndarray:
+    """The numbers of a process's next ``count`` planned reads before ``horizon``: the batches
+    of ``size`` reads that start ``step``, ``2 * step``, ... reads after ``first``."""
+    batches = -(-count // max(1, size)) + 1
+    begins = first + step * np.arange(1, batches + 1, dtype=np.int64)
+    ks = (begins[:, None] + np.arange(size, dtype=np.int64)).reshape(-1)
+    return ks[ks < horizon][:count]
 
 
 def _scatter(data: bytes, targets: list[tuple[memoryview, int]]) -> None:
