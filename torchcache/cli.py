@@ -1,5 +1,5 @@
 """The `torchcache` command line: build, convert-webdataset, info, pack, mix plan, verify,
-upgrade, show, trace.
+upgrade, show, trace, bench.
 
 Every command that takes a cache or inputs reads them from fsspec URLs too (s3://, gs://...):
 `--storage-option KEY=VALUE` (repeatable) passes the store's options, and a refusal by the store
