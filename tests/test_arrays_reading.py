@@ -7,20 +7,18 @@ from __future__ import annotations
 
 import io
 import json
-import stat
 import subprocess
 import sys
 import tarfile
 import threading
-from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
 from conftest import paragraphs, wait_for_blocks
+from test_remote_cache import tree_bytes
 
 import torchcache as tc
-from torchcache.read.local_copies import STATS_DIR
 
 ARRAYS = {"feat": "float32[*, 3]", "ids": "int16[*]"}
 BATCH, WINDOW = 8, 64
@@ -294,21 +292,6 @@ def test_workers_send_tensors_not_pickled_numpy(tar_cache, collate):
 
 # ---------------------------------------------------------------- a remote cache under a limit
 
-def files_bytes(folder) -> int:
-    """Bytes of the regular files under ``folder`` (a copy directory: copies, reservations,
-    markers), but the reading sessions' counters (``.stats``, not copies)."""
-    total = 0
-    for p in Path(folder).rglob("*"):
-        if STATS_DIR in p.relative_to(folder).parts:
-            continue
-        try:
-            st = p.stat()
-        except FileNotFoundError:  # removed by another process between listing and stat
-            continue
-        total += st.st_size if stat.S_ISREG(st.st_mode) else 0
-    return total
-
-
 @pytest.mark.s3
 def test_a_remote_cache_under_a_third_of_its_size_serves_identical_arrays(tmp_path, s3,
                                                                         gpt2_tokenizer_path):
@@ -326,7 +309,7 @@ def test_a_remote_cache_under_a_third_of_its_size_serves_identical_arrays(tmp_pa
                            arrays={"feat": "float32[*, 16]"}, block_tokens=100, num_workers=1)
     local = tc.TokenCache(built.path)
     sidecars = sorted((tmp_path / "c" / "blocks").glob("*.arrays.safetensors"))
-    size = files_bytes(tmp_path / "c" / "blocks")
+    size = tree_bytes(tmp_path / "c" / "blocks")
     arrays_bytes = sum(p.stat().st_size for p in sidecars)
     assert local.num_blocks >= 10 and arrays_bytes > 0.8 * size
     limit = size // 3
@@ -339,7 +322,7 @@ def test_a_remote_cache_under_a_third_of_its_size_serves_identical_arrays(tmp_pa
         got, want = remote.document_arrays(d)["feat"], local.document_arrays(d)["feat"]
         assert got.dtype == want.dtype and got.shape == want.shape and got.tobytes() == want.tobytes()
         assert want.tobytes() == features[d].tobytes()  # (and the local cache holds the input's)
-        peak = max(peak, files_bytes(copies))
+        peak = max(peak, tree_bytes(copies))
     assert 0 < peak <= limit
     first = remote.stats()
     kept = sorted(p.name for p in copies.rglob("*.arrays.safetensors.*") if ".ok-" not in p.name)
@@ -354,7 +337,7 @@ def test_a_remote_cache_under_a_third_of_its_size_serves_identical_arrays(tmp_pa
     count = 0
     for got, want in zip(got_loader, want_loader, strict=True):
         assert same_item(got, want)
-        peak = max(peak, files_bytes(copies))
+        peak = max(peak, tree_bytes(copies))
         count += 1
     assert count == 15 and peak <= limit
     remote.close()
@@ -370,7 +353,7 @@ def test_a_remote_cache_under_a_third_of_its_size_serves_identical_arrays(tmp_pa
         if local.block_table.path(b).split("/")[-1].split(".")[0] in held:
             assert again.document_arrays(d)["feat"].tobytes() == local.document_arrays(d)["feat"].tobytes()
     assert held and again.stats()["bytes_downloaded"] - before < sum(p.stat().st_size for p in kept)
-    assert files_bytes(copies) <= limit
+    assert tree_bytes(copies) <= limit
     again.close()
 
     # a limit smaller than any sidecar: no copy fits, each is read into memory, still exact
@@ -379,5 +362,5 @@ def test_a_remote_cache_under_a_third_of_its_size_serves_identical_arrays(tmp_pa
                          local_dir=str(tmp_path / "tiny"), cache_limit=smallest - 1)
     for d in range(0, local.num_documents, 7):
         assert tiny.document_arrays(d)["feat"].tobytes() == local.document_arrays(d)["feat"].tobytes()
-    assert tiny.stats()["refused_copies"] > 0 and files_bytes(tmp_path / "tiny") < smallest
+    assert tiny.stats()["refused_copies"] > 0 and tree_bytes(tmp_path / "tiny") < smallest
     tiny.close()

@@ -147,19 +147,25 @@ def test_session_counters_live_in_the_copy_directory_and_go_with_the_session(tmp
 
 # ---------------------------------------------------------------- on S3 (moto)
 
+def uploaded_cache(tmp_path_factory, books, tokenizer, s3, key: str) -> tuple[str, str, int]:
+    """(url, local copy path, block bytes): a ~40-block cache built locally and uploaded to
+    bucket/`key`."""
+    import s3fs
+    root = tmp_path_factory.mktemp(key)
+    docs = paragraphs(books)
+    inputs = [write_jsonl(root / f"in{i}.jsonl", docs[i::3]) for i in range(3)]
+    built = tc.build_cache(inputs, root / "cache", tokenizer, block_tokens=BLOCK,
+                           num_workers=1, progress=False)
+    s3fs.S3FileSystem(**s3).put(str(root / "cache"), f"bucket/{key}", recursive=True)
+    blocks = [p for p in (root / "cache" / "blocks").iterdir() if not p.name.endswith(".offsets.safetensors")]
+    assert len(blocks) == built.num_blocks >= 30
+    return f"s3://bucket/{key}", str(root / "cache"), sum(p.stat().st_size for p in blocks)
+
+
 @pytest.fixture(scope="module")
 def remote(tmp_path_factory, books, gpt2_tokenizer_path, s3):
     """(url, local copy path, block bytes): a ~40-block cache built locally and uploaded."""
-    import s3fs
-    root = tmp_path_factory.mktemp("remote")
-    docs = paragraphs(books)
-    inputs = [write_jsonl(root / f"in{i}.jsonl", docs[i::3]) for i in range(3)]
-    built = tc.build_cache(inputs, root / "cache", gpt2_tokenizer_path, block_tokens=BLOCK,
-                           num_workers=1, progress=False)
-    s3fs.S3FileSystem(**s3).put(str(root / "cache"), "bucket/remote", recursive=True)
-    blocks = [p for p in (root / "cache" / "blocks").iterdir() if not p.name.endswith(".offsets.safetensors")]
-    assert len(blocks) == built.num_blocks >= 30
-    return "s3://bucket/remote", str(root / "cache"), sum(p.stat().st_size for p in blocks)
+    return uploaded_cache(tmp_path_factory, books, gpt2_tokenizer_path, s3, "remote")
 
 
 def epoch(ds, *, workers, shuffle=True, watch=None):

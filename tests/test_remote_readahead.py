@@ -19,29 +19,18 @@ import sys
 import numpy as np
 import pytest
 import torch
-from conftest import paragraphs, write_jsonl
 
 import torchcache as tc
 from torchcache.read.remote_reads import fetch_depth
-from test_remote_cache import tree_bytes
+from test_remote_cache import tree_bytes, uploaded_cache
 
-BLOCK = 2_000  # tokens per block: ~40 blocks of ~4 KB
 SEQ = 64
 
 
 @pytest.fixture(scope="module")
 def remote(tmp_path_factory, books, gpt2_tokenizer_path, s3):
     """(url, local copy path, block bytes): a ~40-block cache built locally and uploaded."""
-    import s3fs
-    root = tmp_path_factory.mktemp("remote")
-    docs = paragraphs(books)
-    inputs = [write_jsonl(root / f"in{i}.jsonl", docs[i::3]) for i in range(3)]
-    built = tc.build_cache(inputs, root / "cache", gpt2_tokenizer_path, block_tokens=BLOCK,
-                           num_workers=1, progress=False)
-    s3fs.S3FileSystem(**s3).put(str(root / "cache"), "bucket/ahead", recursive=True)
-    blocks = [p for p in (root / "cache" / "blocks").iterdir() if not p.name.endswith(".offsets.safetensors")]
-    assert len(blocks) == built.num_blocks >= 30
-    return "s3://bucket/ahead", str(root / "cache"), sum(p.stat().st_size for p in blocks)
+    return uploaded_cache(tmp_path_factory, books, gpt2_tokenizer_path, s3, "ahead")
 
 
 def test_fetch_depth_covers_a_request_at_the_measured_pace():
