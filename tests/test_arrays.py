@@ -265,3 +265,41 @@ def test_a_field_whose_inputs_give_other_dtypes_is_refused_unless_declared(tmp_p
     got = [cache.document_arrays(d)["w"] for d in range(cache.num_documents)]
     assert all(a.dtype == np.float32 for a in got)
     assert [a.tolist() for a in got] == [[1, 2, i] for i in range(3)] + [[0.5, i] for i in range(3)]
+
+
+def test_a_block_closes_at_block_array_bytes_and_reads_the_same(tmp_path, gpt2_tokenizer_path):
+    # 12 images of 1..39 x 1..39 x 3 bytes: a block of arrays closes before the document that
+    # would take it past block_array_bytes (a larger document gets a block of its own), so the
+    # build holds at most that much per input; the documents read back are the same
+    src = write_jsonl(tmp_path / "img.jsonl", [{"text": f"image {k}", "seed": k} for k in range(12)])
+    limit = 3000
+    small = (tc.source(src).map(image_record)
+             .tokenize(gpt2_tokenizer_path, arrays=("image",), block_array_bytes=limit, progress=False)
+             .cache(tmp_path / "small"))
+    whole = (tc.source(src).map(image_record)
+             .tokenize(gpt2_tokenizer_path, arrays=("image",), progress=False).cache(tmp_path / "whole"))
+    sizes = [image_record({"text": "", "seed": k})["image"].nbytes for k in range(12)]
+    expected, block = [], []
+    for size in sizes:  # the rule, applied to the sizes: whole documents, at most `limit` unless alone
+        if block and sum(block) + size > limit:
+            expected.append(len(block))
+            block = []
+        block.append(size)
+        if sum(block) >= limit:
+            expected.append(len(block))
+            block = []
+    expected += [len(block)] if block else []
+    assert whole.num_blocks == 1 and len(expected) > 3
+    assert [int(n) for n in small.block_table.records["num_documents"]] == expected
+    assert small.spec["block_array_bytes"] == limit and "block_array_bytes" not in \
+        tc.TokenCache(_text_only_cache(tmp_path, gpt2_tokenizer_path)).spec
+    for d in range(12):
+        assert np.array_equal(small.document_arrays(d)["image"], whole.document_arrays(d)["image"])
+    assert tc.verify_cache(tmp_path / "small") == []
+    with pytest.raises(ValueError, match="block_array_bytes"):
+        tc.build_cache(src, tmp_path / "bad", gpt2_tokenizer_path, arrays=("seed",), block_array_bytes=0)
+
+
+def _text_only_cache(tmp_path, tokenizer):
+    src = write_jsonl(tmp_path / "t.jsonl", [{"text": "hello"}])
+    return tc.build_cache(src, tmp_path / "text-only", tokenizer, progress=False).path

@@ -411,3 +411,31 @@ def test_a_build_where_every_record_is_skipped_is_an_error_unless_allowed(tmp_pa
     proc = _cli("build", src, "-o", tmp_path / "d", "-t", gpt2_tokenizer_path, "--on-error", "skip",
                 "--allow-empty")
     assert proc.returncode == 0 and "already complete" not in proc.stdout
+
+
+# ---------------------------------------------------------------- 16. blocks written in the background
+
+@pytest.mark.parametrize("workers", [1, 2])
+def test_a_bad_record_keeps_every_block_written_before_it(tmp_path, books, gpt2_tokenizer_path, workers):
+    # blocks are written in a background thread while the next is made; a block finished before
+    # the bad record is still committed (a re-run resumes after it), and no other block is
+    texts = paragraphs(books, 400)
+    good = write_jsonl(tmp_path / "good.jsonl", texts[:200])
+    bad = write_jsonl(tmp_path / "bad.jsonl", texts[200:])
+    with open(bad) as f:
+        lines = f.readlines()
+    lines.insert(150, "{not json\n")
+    with open(bad, "w") as f:
+        f.writelines(lines)
+    prefix = write_jsonl(tmp_path / "prefix.jsonl", texts[200:350])  # bad.jsonl before line 151
+    made = _manifest(_build([prefix], tmp_path / "prefix", gpt2_tokenizer_path,
+                            block_tokens=500).path)["blocks"]
+    # every block but the last closed before line 151; the last one too if it is full
+    before = made[:-1] + [e for e in made[-1:] if e["num_tokens"] >= 500]
+    assert len(before) >= 5
+    with pytest.raises(tc.InputError, match=r"bad\.jsonl:151"):
+        _build([good, bad], tmp_path / "c", gpt2_tokenizer_path, num_workers=workers, block_tokens=500)
+    manifest = _manifest(tmp_path / "c")  # (pending: kept, visible once input 0 is complete)
+    committed = [e for e in manifest["blocks"] + manifest.get("pending", []) if e["input"] == 1]
+    assert [e["checksum"] for e in committed] == [e["checksum"] for e in before]
+    assert tc.verify_cache(tmp_path / "c") == []

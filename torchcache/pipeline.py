@@ -122,7 +122,8 @@ class PipelineCache(TokenCache):
 
 _BUILD_OPTIONS = {"block_tokens", "num_workers", "on_error", "executor", "eos", "bos",
                   "special_tokens_as_text", "progress", "allow_empty", "input_format",
-                  "chat_template", "train_on", "keep_fields", "arrays", "token_arrays"}
+                  "chat_template", "train_on", "keep_fields", "arrays", "token_arrays",
+                  "block_array_bytes"}
 
 
 def _build_options(**options: Any) -> dict[str, Any]:

@@ -31,7 +31,8 @@ def build_cache(inputs: Any, output: str | os.PathLike, tokenizer: TokenizerLike
                 train_on: str = "assistant",
                 keep_fields: Sequence[str] = (),
                 arrays: Sequence[str] | dict[str, str | None] = (),
-                token_arrays: Sequence[str] | dict[str, str | None] = ()) -> "BuildResult | BuildHandle":
+                token_arrays: Sequence[str] | dict[str, str | None] = (),
+                block_array_bytes: int = 2 ** 26) -> "BuildResult | BuildHandle":
     """Tokenize `inputs` into a cache at `output`.
 
     Re-running a finished build with the same arguments is a cheap no-op; an interrupted build
@@ -85,6 +86,9 @@ def build_cache(inputs: Any, output: str | os.PathLike, tokenizer: TokenizerLike
             (per-token weights), names or a dict name -> "dtype[*, dims]" (rank 1 unless
             declared). Checked against the ids' count; BOS/EOS added here get 0. TokenDataset,
             PackedDataset (padding 0) and mixtures slice them like input_ids.
+        block_array_bytes: with arrays, a block is also closed once its arrays hold this many
+            bytes (whole documents; default 64 MiB): what a build holds in memory per input, and
+            the size of the files a remote cache copies.
 
     Example (usually `tokenizer` is a tokenizer.json path and `inputs` a glob like
     "data/*.jsonl"):
@@ -113,7 +117,7 @@ def build_cache(inputs: Any, output: str | os.PathLike, tokenizer: TokenizerLike
                                 allow_empty=allow_empty, input_format=input_format,
                                 chat_template=chat_template, train_on=train_on,
                                 keep_fields=keep_fields, arrays=arrays,
-                                token_arrays=token_arrays)
+                                token_arrays=token_arrays, block_array_bytes=block_array_bytes)
     progress = None if progress is None else bool_arg(progress, "progress")
     if bool_arg(background, "background"):
         return BuildHandle.start(inputs, output, tokenizer, kwargs)
@@ -123,7 +127,7 @@ def build_cache(inputs: Any, output: str | os.PathLike, tokenizer: TokenizerLike
 def checked_build_arguments(*, text_key, block_tokens, num_workers, on_error, executor, eos, bos,
                             special_tokens_as_text, storage_options, vocab_size, allow_empty,
                             input_format, chat_template, train_on, keep_fields,
-                            arrays=(), token_arrays=()) -> dict[str, Any]:
+                            arrays=(), token_arrays=(), block_array_bytes=2 ** 26) -> dict[str, Any]:
     """The build's arguments, each checked (type and value) before anything is read or written,
     as plain Python values (a numpy integer or bool becomes an int or a bool: they go into JSON)."""
     if not isinstance(text_key, str) or not text_key:
@@ -160,7 +164,8 @@ def checked_build_arguments(*, text_key, block_tokens, num_workers, on_error, ex
                 allow_empty=bool_arg(allow_empty, "allow_empty"), input_format=input_format,
                 chat_template=chat_template, train_on=check_train_on(train_on),
                 keep_fields=tuple(keep_fields), arrays=_arrays_arg(arrays),
-                token_arrays=_arrays_arg(token_arrays))
+                token_arrays=_arrays_arg(token_arrays),
+                block_array_bytes=int_arg(block_array_bytes, "block_array_bytes", minimum=1))
 
 
 def _given(arrays: Any) -> bool:

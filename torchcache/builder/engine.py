@@ -90,7 +90,7 @@ def run_build(inputs: Any, output: str | os.PathLike, tokenizer: TokenizerLike |
               should_stop: Callable[[], bool] | None = None, input_format: str = "text",
               chat_template: Any = None, train_on: str = "assistant",
               keep_fields: tuple[str, ...] = (), arrays: dict[str, Any] | None = None,
-              token_arrays: dict[str, Any] | None = None,
+              token_arrays: dict[str, Any] | None = None, block_array_bytes: int = 2 ** 26,
               pipeline: tuple[tuple[str, Callable[[Any], Any]], ...] = ()) -> BuildResult:
     """Build (or resume, or confirm) the cache; the arguments are `build_cache`'s, checked, and
     `pipeline`: a lazy pipeline's filter and map steps, ("filter" | "map", function), applied to
@@ -150,6 +150,8 @@ def run_build(inputs: Any, output: str | os.PathLike, tokenizer: TokenizerLike |
         "block_tokens": block_tokens,
         "inputs": [s.spec() for s in sources] if sources else [{"path": ITERABLE_PATH, "size": None}],
     }
+    if declared:  # (absent elsewhere: caches without arrays keep their spec and fingerprint)
+        spec["block_array_bytes"] = block_array_bytes
     if documents is not None:
         spec["documents"] = documents
     if pipeline:  # what each step does is part of the cache's identity

@@ -7,10 +7,12 @@ lives in `ray_executor`. The cache does not depend on which one ran, nor on how 
 
 from __future__ import annotations
 
+import itertools
 from multiprocessing.connection import Connection, wait as wait_for_connections
 from typing import Any, Callable, Iterable
 
 from .._util.procs import Child, start_child
+from .background_writes import BackgroundWrites
 from .commit import Committer
 from ..errors import BuildError
 from .records import InputSource
@@ -27,11 +29,14 @@ def check_cancelled(should_stop: ShouldStop) -> None:
 
 def run_inline(job: BuildJob, sources: list[InputSource] | list[Iterable[str]], todo: list[int],
                starts: dict[int, dict], committer: Committer, should_stop: ShouldStop) -> int:
-    """Build the inputs `todo` one after the other in this process, committing each event."""
+    """Build the inputs `todo` one after the other in this process, committing each event. A
+    block is written in the background while the next is made, also across inputs."""
     built = 0
-    for index in todo:
-        for event in build_input(job, index, sources[index], starts[index]):
-            built += committer.commit([event])
+    with BackgroundWrites() as writes:
+        events = itertools.chain.from_iterable(build_input(job, index, sources[index], starts[index],
+                                                           writes) for index in todo)
+        for ready in writes.in_order(events):
+            built += committer.commit(ready)
             check_cancelled(should_stop)
     return built
 
@@ -101,8 +106,11 @@ def _pool_worker(conn: Connection, job: BuildJob, sources: list[InputSource],
         if index is None:
             return
         try:
-            for event in build_input(job, index, sources[index], starts[index]):
-                conn.send(event)
+            with BackgroundWrites() as writes:
+                for ready in writes.in_order(build_input(job, index, sources[index], starts[index],
+                                                         writes)):
+                    for event in ready:
+                        conn.send(event)
         except Exception as e:  # noqa: BLE001 - reported whole (type, message, cause) and raised there
             conn.send(worker_failed(index, e))
             return

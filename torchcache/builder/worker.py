@@ -28,6 +28,7 @@ from ..format.arrays import arrays_name, write_arrays_file
 from ..format.tokenizer_backends import TokenizerBackend
 from ..format.tokenizer_kinds import backend_from_files
 from .arrays import pad_token_rows
+from .background_writes import BackgroundWrites, PendingWrite
 from ..format.documents import write_docs_file
 from ..format.provenance import RUNS_TENSOR, needs_runs, runs_of
 
@@ -56,6 +57,8 @@ class BuildJob:
     #: a tiktoken or SentencePiece tokenizer: (kind, its files), rebuilt in each worker (then
     #: tokenizer_json is None); format.tokenizer_backends
     tokenizer_files: tuple | None = None
+    #: the most bytes of arrays a block holds (None: no limit, a cache built before the limit)
+    block_array_bytes: int | None = None
 
     @property
     def has_tokenizer(self) -> bool:
@@ -81,7 +84,8 @@ class BuildJob:
                    str(fmt.DTYPES[spec["dtype"]]), spec["text_key"], spec["block_tokens"], on_error,
                    spec["special_tokens_as_text"], dict(storage_options or {}), spec["vocab_size"],
                    documents=spec.get("documents"), template_name=template_name,
-                   pipeline=tuple(pipeline), tokenizer_files=files)
+                   pipeline=tuple(pipeline), tokenizer_files=files,
+                   block_array_bytes=spec.get("block_array_bytes"))
 
 
 # ---------------------------------------------------------------- events a worker reports
@@ -173,8 +177,10 @@ Event = Union[BlockWritten, Progress, InputDone, WorkerFailed]
 # ---------------------------------------------------------------- the work function
 
 def build_input(job: BuildJob, index: int, source: InputSource | Iterable[str],
-                start: dict[str, Any]) -> Iterator[Event]:
-    """Tokenize input `index` from its resume point `start`; yield its events in order."""
+                start: dict[str, Any], writes: BackgroundWrites | None = None) -> Iterator[Any]:
+    """Tokenize input `index` from its resume point `start`; yield its events in order. With
+    `writes`, blocks are written in its thread and their events are `PendingWrite`s: pass the
+    events through `writes.in_order`."""
     encode = _document_encoder(job)
     skipped = dict(start["skipped"])
     records = start["records"]
@@ -195,26 +201,28 @@ def build_input(job: BuildJob, index: int, source: InputSource | Iterable[str],
     # the input's resume point as of the last document: record number, skip counts, content hash
     last: tuple[int, dict[str, int], str | None] = (records, dict(skipped), digest)
 
-    def flush() -> BlockWritten:
+    def flush() -> BlockWritten | PendingWrite:
         nonlocal block_no
-        entry = block.write(block_no)
+        write = block.take(block_no)
         block_no += 1
         upto, counts, upto_digest = last
         progress = {"records": upto, "skipped": dict(counts), "blocks": block_no, "digest": upto_digest}
         if block.documents_before is not None:  # the input's documents so far (format.provenance)
             progress["documents"] = block.documents_before
-        return BlockWritten(index, entry, progress)
+        if writes is None:
+            return BlockWritten(index, write(), progress)
+        return writes.submit(write, lambda entry: BlockWritten(index, entry, progress))
 
     where = _where(source)
     batches = _Batches(stream, skipped, _record_check(job, where), job.on_error, _shaper(job), where)
     for batch in batches:
         encoded = encode(batch)
         for (record, counts, shaped), doc in zip(batch, encoded):
-            if block.tokens and block.tokens + len(doc.ids) > job.block_tokens:
+            if block.would_overflow(doc, shaped):
                 yield flush()
             block.add(doc, record, shaped)
             last = (record.number, counts, record.digest)
-            if block.tokens >= job.block_tokens:
+            if block.is_full():
                 yield flush()
         yield Progress(index, batch[-1][0].position, int(sum(len(d.ids) for d in encoded)))
     if block.tokens or block.docs:
@@ -254,6 +262,22 @@ class _BlockBuilder:
         self.arrays: dict[str, list[np.ndarray]] = {name: [] for name in
                                                     ((self.job.documents or {}).get("arrays") or {})}
         self.tokens = 0
+        self.array_bytes = 0
+
+    def would_overflow(self, doc: _Encoded, shaped: Any) -> bool:
+        """Whether the document would take the block past block_tokens, or its arrays past
+        block_array_bytes (never for a block's first document: a large one gets a block alone)."""
+        if self.tokens and self.tokens + len(doc.ids) > self.job.block_tokens:
+            return True
+        limit = self.job.block_array_bytes
+        if not self.docs or not self.arrays or limit is None:
+            return False
+        return self.array_bytes + sum(shaped.arrays[name].nbytes for name in self.arrays) > limit
+
+    def is_full(self) -> bool:
+        """Whether the block holds block_tokens tokens, or block_array_bytes bytes of arrays."""
+        limit = self.job.block_array_bytes
+        return self.tokens >= self.job.block_tokens or (limit is not None and self.array_bytes >= limit)
 
     def add(self, doc: _Encoded, record: Record, shaped: Any) -> None:
         self.docs.append(doc.ids)
@@ -268,30 +292,37 @@ class _BlockBuilder:
                     before = int(self.job.bos_id is not None)
                     array = pad_token_rows(array, before, len(doc.ids) - len(array) - before)
                 values.append(array)
+                self.array_bytes += array.nbytes
             if self.masked:
                 self.trained.append(doc.trained)
 
-    def write(self, block_no: int) -> dict[str, Any]:
+    def take(self, block_no: int) -> Callable[[], dict[str, Any]]:
+        """Hand over the block's documents (this builder starts the next block): a function that
+        writes the block's files and returns its index entry, to call here or in another thread."""
         runs = None  # v3 keeps every record in its documents sidecar; text: runs where needed
         if self.job.documents is None and needs_runs(self.records, self.documents_before):
             runs = runs_of(self.records)
         if self.documents_before is not None:
             self.documents_before += len(self.docs)
-        # v3 keeps the sample keys in the documents sidecar (under its checksum), not a keys file
-        keys_file = self.keys if self.job.documents is None else []
-        entry = _write_block(self.job, self.index, block_no, self.docs, keys_file, runs)
-        if self.job.documents is not None:
-            runs = mask_runs(np.concatenate(self.trained)) if self.masked else None
-            fields = self.fields if self.job.documents["keep_fields"] else None
-            arrays_checksum = None
-            if self.arrays:  # before the documents sidecar, which holds its checksum
-                arrays_checksum = write_arrays_file(self.job.output, arrays_name(entry["path"]),
-                                                    self.arrays).checksum
-            written = write_docs_file(self.job.output, fmt.docs_name(entry["path"]), self.records,
-                                      runs, fields, entry["num_tokens"], arrays_checksum, self.keys)
-            entry.update(docs=written.path, docs_checksum=written.checksum)
+        job, index, docs, keys, records = self.job, self.index, self.docs, self.keys, self.records
+        trained, fields, arrays = self.trained, self.fields, self.arrays
         self._reset()
-        return entry
+
+        def write() -> dict[str, Any]:
+            # v3 keeps the sample keys in the documents sidecar (under its checksum), not a keys file
+            entry = _write_block(job, index, block_no, docs, keys if job.documents is None else [], runs)
+            if job.documents is not None:
+                mask = mask_runs(np.concatenate(trained)) if self.masked else None
+                kept = fields if job.documents["keep_fields"] else None
+                arrays_checksum = None
+                if arrays:  # before the documents sidecar, which holds its checksum
+                    arrays_checksum = write_arrays_file(job.output, arrays_name(entry["path"]),
+                                                        arrays).checksum
+                written = write_docs_file(job.output, fmt.docs_name(entry["path"]), records, mask,
+                                          kept, entry["num_tokens"], arrays_checksum, keys)
+                entry.update(docs=written.path, docs_checksum=written.checksum)
+            return entry
+        return write
 
 
 def _shaper(job: BuildJob) -> Callable[[Record], Any] | None:

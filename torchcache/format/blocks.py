@@ -626,6 +626,8 @@ def _check_spec(f: _Fields, spec: Any) -> dict[str, Any]:
     for k, item in enumerate(f.list(f.get(spec, "inputs", "spec"), "spec.inputs")):
         f.str(f.get(f.dict(item, f"spec.inputs[{k}]"), "path", f"spec.inputs[{k}]"),
               f"spec.inputs[{k}].path")
+    if "block_array_bytes" in spec:  # builds with arrays (how their blocks were cut)
+        f.int(spec["block_array_bytes"], "spec.block_array_bytes", 1, 1 << 62)
     if spec.get("documents") is not None:
         _check_documents_spec(f, spec["documents"])
     return spec
