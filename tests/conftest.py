@@ -138,6 +138,19 @@ def tree_bytes(root: str) -> dict[str, bytes]:
     return dict(sorted(out.items()))
 
 
+def committed_tree(root) -> dict[str, bytes]:
+    """`tree_bytes(root)` but the block files a killed build left uncommitted (a block it was
+    still writing in the background, or had written but not yet committed): its leftovers, which
+    the next build deletes. What a refused resume must leave untouched."""
+    from torchcache.format.ledger import read_manifest
+
+    manifest = read_manifest(str(root))
+    committed = {e[k] for e in manifest["blocks"] + manifest.get("pending", [])
+                 for k in ("path", "offsets", "keys", "docs") if k in e}
+    return {name: data for name, data in tree_bytes(str(root)).items()
+            if not name.startswith("blocks/") or name in committed}
+
+
 def build_killed_at_commit(inputs: list[str], out, tokenizer: str, commits: int, *,
                            workers: int = 1, block_tokens: int = 2_000) -> int:
     """Run `build_cache` in a child process that SIGKILLs itself right after its `commits`-th

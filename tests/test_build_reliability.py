@@ -15,7 +15,7 @@ import time
 import psutil
 import pytest
 from tokenizers import Tokenizer
-from conftest import build_killed_at_commit, paragraphs, tree_bytes, write_jsonl
+from conftest import build_killed_at_commit, committed_tree, paragraphs, tree_bytes, write_jsonl
 
 import torchcache as tc
 from torchcache.format.ledger import read_manifest
@@ -118,10 +118,10 @@ def test_an_input_edited_in_place_between_kill_and_resume_is_refused(tmp_path, s
     data[position] = ord("Q") if data[position] != ord("Q") else ord("R")  # same size
     with open(shards[edited], "wb") as f:
         f.write(data)
-    before = tree_bytes(str(out))
+    before = committed_tree(out)
     with pytest.raises(tc.InputError, match="changed"):
         _build(shards, out, gpt2_tokenizer_path)
-    assert tree_bytes(str(out)) == before
+    assert committed_tree(out) == before
 
 
 @pytest.mark.slow

@@ -10,7 +10,7 @@ import subprocess
 from pathlib import Path
 
 import pytest
-from conftest import (build_killed_at_commit, moto_s3, paragraphs, python_with_hooks, tree_bytes,
+from conftest import (build_killed_at_commit, committed_tree, moto_s3, paragraphs, python_with_hooks, tree_bytes,
                       write_jsonl)
 
 import torchcache as tc
@@ -104,21 +104,13 @@ def test_an_interrupted_iterable_build_resumed_with_other_texts_is_refused(tmp_p
     assert code == -signal.SIGKILL
     kept = read_manifest(str(out))
     assert kept["blocks"] and not kept["complete"]
-    # what the killed build committed (a block it was still writing, or had written but not
-    # committed, is its leftover: a resume deletes it)
-    committed = {e[k] for e in kept["blocks"] + kept.get("pending", [])
-                 for k in ("path", "offsets", "keys", "docs") if k in e}
-
-    def committed_tree() -> dict:
-        return {name: data for name, data in tree_bytes(str(out)).items()
-                if not name.startswith("blocks/") or name in committed}
-    before = committed_tree()
+    before = committed_tree(out)
     other = list(texts)
     other[0] = other[0] + " (edited)"
     with pytest.raises(InputChangedError) as info:
         _build(iter(other), out, gpt2_tokenizer_path)
     assert str(out) in str(info.value) and "iterable" in str(info.value)
-    assert committed_tree() == before
+    assert committed_tree(out) == before
     resumed = _build(iter(texts), out, gpt2_tokenizer_path)
     fresh = _build(iter(texts), tmp_path / "fresh", gpt2_tokenizer_path)
     assert resumed.tokens_built < fresh.tokens_built
