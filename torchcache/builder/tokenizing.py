@@ -10,7 +10,7 @@ from typing import Any, Sequence
 import numpy as np
 from tokenizers import Tokenizer
 
-from ..format.tokenizer import tokenizer_from_json
+from ..format.tokenizer import parse_tokenizer_json, tokenizer_from_json
 from ..format.tokenizer_backends import TokenizerBackend
 from ..format.tokenizer_declarations import Declarations
 from .chat import trained_token_mask
@@ -111,7 +111,7 @@ def can_cut_safely(tok: Tokenizer) -> bool:
     regex and no prefix space (GPT-2, GPT-NeoX, Pythia...), with no normalizer or NFC, and no
     added token that could span or eat a cut. Each cut is still proven by the tokenizer before it
     is made (DocumentEncoder.pieces); a blank line before an added token is never one."""
-    spec = json.loads(tok.to_str())
+    spec = parse_tokenizer_json(tok.to_str())
     pre = spec.get("pre_tokenizer") or {}
     if pre.get("type") == "Sequence" and len(pre.get("pretokenizers", [])) == 1:
         pre = pre["pretokenizers"][0]
@@ -367,7 +367,7 @@ def untrimmed_offsets(tokenizer_json: str) -> str:
     same ids, but each token's offsets cover all its characters, whitespace included, so a token
     made only of untrained characters (a prompt's trailing spaces) is never taken for a zero-width
     token at the start of a trained span."""
-    spec = json.loads(tokenizer_json)
+    spec = parse_tokenizer_json(tokenizer_json)
     post = spec.get("post_processor") or {}
     found = False
     for part in [post, *post.get("processors", [])]:
@@ -381,7 +381,7 @@ def token_byte_lengths(tok: Tokenizer) -> np.ndarray | None:
     """The UTF-8 bytes of the text each id stands for, for a byte-level BPE tokenizer without a
     normalizer (its vocabulary maps one character to one byte; added tokens are their content);
     None for any other tokenizer."""
-    spec = json.loads(tok.to_str())
+    spec = parse_tokenizer_json(tok.to_str())
     pre = spec.get("pre_tokenizer") or {}
     parts = pre.get("pretokenizers", []) if pre.get("type") == "Sequence" else [pre]
     byte_level = [p for p in parts if p.get("type") == "ByteLevel"]
