@@ -44,6 +44,10 @@ the features never sit in a JSON file. It measures:
    the text-only build of the same tars (a map that keeps the transcript, no featurize). Each of
    the four runs once untimed (warm-up: imports, page cache), then they are timed in --rounds
    interleaved rounds (each round in another order); ratios are medians of each round's own.
+   Each step is timed in wall-clock seconds and in CPU seconds of the process (all its threads,
+   so the work of the thread that writes blocks in the background counts in full, though it
+   overlaps featurize): wall-clock time on a shared 2-CPU machine varies by +-10% from one build
+   to the next, which the difference of two builds magnifies; CPU time varies far less.
    Every sample's features are then read back and compared with featurize's, bit for bit.
 4. with ``--litdata PYTHON`` (a venv with litdata and torch, e.g. ``python -m venv V &&
    V/bin/pip install litdata torch``): this script re-run under that Python optimizes the same
@@ -142,8 +146,10 @@ def transcript(r: dict) -> dict:
 
 def speech_build(folder: str, tmp: str, tokenizer: str, tc, rounds: int) -> dict:
     """Build overhead with examples/speech.py's featurize over ``folder``'s tars (see 1b), in
-    ``rounds`` interleaved rounds of (featurize alone, build with arrays, text-only build), each
-    round in another order; the ratios are medians of the rounds' own ratios."""
+    ``rounds`` interleaved rounds of (featurize alone, build with arrays, the same build without,
+    text-only build), each round in another order; each step timed in wall-clock and in CPU
+    seconds of the whole process (every thread: the background block writer's work counts); the
+    ratios are medians of the rounds' own ratios."""
     sys.path.insert(0, os.path.join(HERE, "..", "examples"))
     from speech import featurize as speech_featurize
 
@@ -153,39 +159,39 @@ def speech_build(folder: str, tmp: str, tokenizer: str, tc, rounds: int) -> dict
     out, text_out = os.path.join(tmp, "cache-speech"), os.path.join(tmp, "cache-speech-text")
     plain_out = os.path.join(tmp, "cache-speech-plain")
 
-    def featurize_all() -> float:
-        t = time.perf_counter()
+    def featurize_all() -> None:
         for r in samples:
             speech_featurize(r)
-        return time.perf_counter() - t
 
-    def build() -> float:
-        shutil.rmtree(out, ignore_errors=True)
-        t = time.perf_counter()
+    def build() -> None:
         tc.source(pattern).map(speech_featurize).tokenize(
             tokenizer, arrays=(FIELD,), num_workers=1, progress=False).cache(out)
-        return time.perf_counter() - t
 
-    def plain_build() -> float:  # the same pipeline, featurize included, storing no arrays
-        shutil.rmtree(plain_out, ignore_errors=True)
-        t = time.perf_counter()
+    def plain_build() -> None:  # the same pipeline, featurize included, storing no arrays
         tc.source(pattern).map(speech_featurize).tokenize(
             tokenizer, num_workers=1, progress=False).cache(plain_out)
-        return time.perf_counter() - t
 
-    def text_build() -> float:
-        shutil.rmtree(text_out, ignore_errors=True)
-        t = time.perf_counter()
+    def text_build() -> None:
         tc.source(pattern).map(transcript).tokenize(tokenizer, num_workers=1, progress=False).cache(text_out)
-        return time.perf_counter() - t
 
-    steps = [("feat", featurize_all), ("build", build), ("plain", plain_build), ("text", text_build)]
-    for _, step in steps:  # warm-up
+    def timed(step, folder: str | None) -> tuple[float, float]:
+        if folder:
+            shutil.rmtree(folder, ignore_errors=True)
+        wall, cpu = time.perf_counter(), time.process_time()
         step()
-    times: dict[str, list[float]] = {name: [] for name, _ in steps}
+        return time.perf_counter() - wall, time.process_time() - cpu
+
+    steps = [("feat", featurize_all, None), ("build", build, out), ("plain", plain_build, plain_out),
+             ("text", text_build, text_out)]
+    for _, step, where in steps:  # warm-up
+        timed(step, where)
+    times: dict[str, list[float]] = {name: [] for name, _, _ in steps}
+    cpu: dict[str, list[float]] = {name: [] for name, _, _ in steps}
     for rnd in range(rounds):
-        for name, step in steps[rnd % len(steps):] + steps[:rnd % len(steps)]:
-            times[name].append(step())
+        for name, step, where in steps[rnd % len(steps):] + steps[:rnd % len(steps)]:
+            wall_s, cpu_s = timed(step, where)
+            times[name].append(wall_s)
+            cpu[name].append(cpu_s)
     cache = tc.TokenCache(out)
     assert cache.num_documents == len(samples), (cache.num_documents, len(samples))
     by_key = {r["__key__"]: r for r in samples}
@@ -195,11 +201,14 @@ def speech_build(folder: str, tmp: str, tokenizer: str, tc, rounds: int) -> dict
         got = cache.document_arrays(d)[FIELD]
         assert got.dtype == expected.dtype and got.tobytes() == expected.tobytes(), d
         frames += len(got)
-    med = {name: statistics.median(v) for name, v in times.items()}
-    return {"samples": len(samples), "frames": frames, "times": times, "median": med,
+
+    def storing(t: dict[str, list[float]]) -> float:
+        return statistics.median((b - p) / f for b, p, f in zip(t["build"], t["plain"], t["feat"]))
+    return {"samples": len(samples), "frames": frames, "times": times, "cpu": cpu,
+            "median": {name: statistics.median(v) for name, v in times.items()},
+            "cpu_median": {name: statistics.median(v) for name, v in cpu.items()},
             "ratio": statistics.median(b / f for b, f in zip(times["build"], times["feat"])),
-            "storing": statistics.median((b - p) / f for b, p, f in
-                                         zip(times["build"], times["plain"], times["feat"])),
+            "storing": storing(times), "storing_cpu": storing(cpu),
             "storing_vs_text": statistics.median((b - t - f) / f for b, t, f in
                                                  zip(times["build"], times["text"], times["feat"]))}
 
@@ -445,19 +454,24 @@ def main() -> None:
               f"{build_s - feat_s - text_s:.2f} s "
               f"({100 * (build_s - feat_s - text_s) / feat_s:+.1f}% of featurize)")
         if speech is not None:
-            sp, med = speech, speech["median"]
+            sp, med, cpu = speech, speech["median"], speech["cpu_median"]
             print(f"speech  {sp['samples']} samples of {args.speech} ({sp['frames']:,} frames), "
-                  f"{args.rounds} interleaved rounds, medians: featurize alone (examples/speech.py) "
-                  f"{med['feat']:.2f} s; pipeline build with arrays {med['build']:.2f} s; the same "
-                  f"build without arrays {med['plain']:.2f} s; text-only build {med['text']:.2f} s; "
-                  f"ratio build/featurize {sp['ratio']:.3f}; storing the arrays, (build with arrays "
-                  f"- without)/featurize: {100 * sp['storing']:+.1f}% of featurize (acceptance <= "
-                  f"10%); (build with arrays - text-only build - featurize)/featurize: "
-                  f"{100 * sp['storing_vs_text']:+.1f}% (rounds: " + ", ".join(
-                      f"{b:.2f}/{p:.2f}/{t:.2f}/{f:.2f}" for b, p, t, f in zip(
-                          sp['times']['build'], sp['times']['plain'], sp['times']['text'],
-                          sp['times']['feat']))
-                  + " s with/without/text/featurize)")
+                  f"{args.rounds} interleaved rounds, medians (wall s / CPU s): featurize alone "
+                  f"(examples/speech.py) {med['feat']:.2f} / {cpu['feat']:.2f}; pipeline build with "
+                  f"arrays {med['build']:.2f} / {cpu['build']:.2f}; the same build without arrays "
+                  f"{med['plain']:.2f} / {cpu['plain']:.2f}; text-only build {med['text']:.2f} / "
+                  f"{cpu['text']:.2f}; ratio build/featurize {sp['ratio']:.3f}")
+            print(f"speech  storing the arrays, (build with arrays - without) / featurize "
+                  f"(acceptance <= 10%): {100 * sp['storing']:+.1f}% in wall-clock time, "
+                  f"{100 * sp['storing_cpu']:+.1f}% in CPU time (all threads); (build with arrays - "
+                  f"text-only build - featurize) / featurize {100 * sp['storing_vs_text']:+.1f}% "
+                  "(wall)")
+            print("speech  rounds, wall s with/without/text/featurize: " + ", ".join(
+                f"{b:.2f}/{p:.2f}/{t:.2f}/{f:.2f}" for b, p, t, f in zip(
+                    sp['times']['build'], sp['times']['plain'], sp['times']['text'], sp['times']['feat'])))
+            print("speech  rounds, CPU s with/without/text/featurize: " + ", ".join(
+                f"{b:.2f}/{p:.2f}/{t:.2f}/{f:.2f}" for b, p, t, f in zip(
+                    sp['cpu']['build'], sp['cpu']['plain'], sp['cpu']['text'], sp['cpu']['feat'])))
         else:
             print("speech  not measured (no --speech DIR)")
         print(f"storage arrays sidecars {arrays_b:,} B + docs sidecars growth "
