@@ -366,11 +366,10 @@ def _reuse_parsed_models(fs: Any) -> None:
     if getattr(fs, "session", False) is not None:
         return  # (it has its own session already)
     for known in reversed(_S3_FILESYSTEMS):
-        get_component = getattr(getattr(known, "session", None), "get_component", None)
-        if get_component is not None:
-            from aiobotocore.session import AioSession  # (s3fs's own dependency)
-            fresh = AioSession(**fs.kwargs)
-            fresh.register_component("data_loader", get_component("data_loader"))
+        session = getattr(known, "session", None)
+        if session is not None:  # an aiobotocore session: a new one of the same kind, as s3fs
+            fresh = type(session)(**fs.kwargs)  # makes it, with the parsed files' loader
+            fresh.register_component("data_loader", session.get_component("data_loader"))
             fs.session = fresh
             return
 
