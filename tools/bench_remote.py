@@ -18,7 +18,8 @@ ratio remote / local, of epochs run one after the other), the HTTP requests the 
 (``reqs``: every GET and HEAD, counted by the server) and the ranged reads among them, bytes
 downloaded over the cache's size, bytes downloaded that no read asked for (``wasted``: the gaps
 coalesced requests span), the hit rate, and the largest size the local directory reached
-(sampled at every batch) against the limit. With ``--rounds N`` the whole table is run N times
+(sampled at every batch; the local epochs walk that directory at every batch too, so that both
+training loops do the same measuring work) against the limit. With ``--rounds N`` the whole table is run N times
 (a fresh local directory each round). ``--persistent``: both loaders keep their workers from
 one epoch to the next (a new worker's first batch waits for its S3 client and first requests).
 
@@ -191,7 +192,9 @@ def bench_one(path: str, options: dict, server: subprocess.Popen, r: int, latenc
                                   persistent_workers=persistent)
     before, requests = remote.stats(), server_counts(server)
     for e in range(args.epochs):
-        local_rate, n_local, _ = run_epoch(local_loader, step_ms / 1e3, None)
+        # (the local epoch measures the copy directory at every batch too: the same work in both
+        # training loops, so that the ratio is the loaders' own)
+        local_rate, n_local, _ = run_epoch(local_loader, step_ms / 1e3, remote.root)
         rate, n, largest = run_epoch(remote_loader, step_ms / 1e3, remote.root)
         assert n == n_local
         after, now = remote.stats(), server_counts(server)

@@ -12,6 +12,7 @@ import fcntl
 import hashlib
 import json
 import os
+import re
 import socket
 import stat
 import sys
@@ -271,6 +272,7 @@ class RemoteStorage(Storage):
     def _connect(self) -> None:
         self._fs, self.root = fsspec.core.url_to_fs(self.url, **self.storage_options)
         self._pid = os.getpid()
+        _reuse_parsed_models(self._fs)
 
     @property
     def fs(self):
@@ -303,10 +305,14 @@ class RemoteStorage(Storage):
         """Bytes [start, stop) of a file, in one ranged request (fewer if the file is shorter)."""
         return self.fs.cat_file(self._path(rel), start=start, end=stop)
 
-    def open_pinned(self, rel: str) -> "PinnedObject":
+    def open_pinned(self, rel: str, tag: str | None = None) -> "PinnedObject | None":
         """File `rel` as it is now (one metadata request), every later ranged read pinned to
-        this version of it: see :class:`PinnedObject`."""
-        return PinnedObject(self, rel)
+        this version of it: see :class:`PinnedObject`. With ``tag`` (a :attr:`PinnedObject.tag`
+        seen before): that version, with no request at all; None where this store cannot pin a
+        read to a tag (the caller then opens it without one)."""
+        if tag is None:
+            return PinnedObject(self, rel)
+        return PinnedObject.from_tag(self, rel, tag)
 
     def exists(self, rel: str) -> bool:
         self.fs.invalidate_cache()
@@ -342,6 +348,32 @@ class RemoteStorage(Storage):
         return _LeaseLock(self)
 
 
+#: the last s3fs filesystems connected in this process (or, in a forked one, in its parent):
+#: where a new one finds API models already parsed (kept alive: a fork's copies are read only)
+_S3_FILESYSTEMS: list[Any] = []
+
+
+def _reuse_parsed_models(fs: Any) -> None:
+    """Make s3fs filesystem ``fs``, when new, create its client from the API models another one
+    of this process, or of its parent (a DataLoader worker is a fork of the training process),
+    already parsed. Each new process otherwise parses botocore's JSON descriptions of S3 again
+    before its first request (0.1 to 0.3 s of CPU in every worker of every epoch, while the
+    training loop waits for its first batches). Only the loader of those files is shared (no
+    connection, credentials or event loop); other filesystems are left alone."""
+    if not _conditional(fs) or any(known is fs for known in _S3_FILESYSTEMS):
+        return
+    _S3_FILESYSTEMS[:] = _S3_FILESYSTEMS[-3:] + [fs]
+    if getattr(fs, "session", False) is not None:
+        return  # (it has its own session already)
+    for known in reversed(_S3_FILESYSTEMS):
+        session = getattr(known, "session", None)
+        if session is not None:  # an aiobotocore session: a new one of the same kind, as s3fs
+            fresh = type(session)(**fs.kwargs)  # makes it, with the parsed files' loader
+            fresh.register_component("data_loader", session.get_component("data_loader"))
+            fs.session = fresh
+            return
+
+
 class ObjectChangedError(OSError):
     """A remote file is no longer the version a reader pinned: it was replaced or rewritten."""
 
@@ -351,6 +383,13 @@ class ObjectChangedError(OSError):
 _PINNING_PROTOCOLS = {"s3", "s3a"}
 _IDENTITY_FIELDS = ("ETag", "etag", "VersionId", "generation", "md5Hash", "version_id")
 _TIME_FIELDS = ("LastModified", "mtime", "last_modified", "updated", "created")
+_TAG_SAFE = re.compile(r"[0-9A-Za-z_-]{1,80}")  # ETags that can be part of a file name
+
+
+def _conditional(fs: Any) -> bool:
+    """Whether ranged reads of ``fs`` can be pinned to a version by the store itself."""
+    protocols = fs.protocol if isinstance(fs.protocol, (tuple, list)) else (fs.protocol,)
+    return bool(_PINNING_PROTOCOLS & set(protocols))
 
 
 def object_identity(info: dict[str, Any]) -> str:
@@ -372,21 +411,46 @@ class PinnedObject:
     Safe to share between threads: reads keep no position.
     """
 
-    def __init__(self, storage: RemoteStorage, rel: str):
+    def __init__(self, storage: RemoteStorage, rel: str, known: tuple[int, str] | None = None):
         self.url = f"{storage.url}/{rel}"
         self._storage, self._path = storage, storage._path(rel)
         fs = storage.fs
-        fs.invalidate_cache(self._path)
-        protocols = fs.protocol if isinstance(fs.protocol, (tuple, list)) else (fs.protocol,)
-        self._conditional = bool(_PINNING_PROTOCOLS & set(protocols))
-        if self._conditional:  # s3fs: a file opened for reading sends If-Match on every read
+        self._conditional = _conditional(fs)
+        if self._conditional and known is not None:  # the version seen before: no request
+            size, etag = known
+            file = fs.open(self._path, "rb", cache_type="none", size=size)
+            file.details = {"name": self._path, "size": size, "ETag": etag, "type": "file"}
+            if not getattr(fs, "local_expiry_check", False):  # (else s3fs compares the ETag)
+                file.read_kw = {**file.read_kw, "IfMatch": etag}
+            info, self._fetch = file.details, file.cache.fetcher
+        elif self._conditional:  # s3fs: a file opened for reading sends If-Match on every read
+            fs.invalidate_cache(self._path)
             file = fs.open(self._path, "rb", cache_type="none")
             info, self._fetch = file.details, file.cache.fetcher  # (start, stop) -> bytes
         else:
+            fs.invalidate_cache(self._path)
             info = fs.info(self._path)
             self._fetch = lambda start, stop: storage.read_range(rel, start, stop)
         self.size = int(info["size"])
         self.identity = object_identity(info)
+        etag = str(info.get("ETag") or "").strip('"')
+        #: a file-name-safe string naming this version, from which :meth:`from_tag` pins a read
+        #: to it without a metadata request (conditional reads only; else None)
+        self.tag = (f"{self.size}-{etag}" if self._conditional and _TAG_SAFE.fullmatch(etag)
+                    and not getattr(fs, "version_aware", False) else None)
+
+    @classmethod
+    def from_tag(cls, storage: RemoteStorage, rel: str, tag: str) -> "PinnedObject | None":
+        """File ``rel`` pinned to the version a :attr:`tag` names, with no request (a read of
+        any other version raises ObjectChangedError, as for every pinned file); None where
+        the store cannot pin reads to it (no conditional reads, a version-aware filesystem) or
+        ``tag`` is not a tag."""
+        size, _, etag = tag.partition("-")
+        fs = storage.fs
+        if (not size.isdigit() or not _TAG_SAFE.fullmatch(etag) or not _conditional(fs)
+                or getattr(fs, "version_aware", False)):
+            return None
+        return cls(storage, rel, known=(int(size), f'"{etag}"'))
 
     def read_range(self, start: int, stop: int) -> bytes:
         """Bytes [start, stop) of the pinned version (fewer where the file ends)."""

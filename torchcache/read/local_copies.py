@@ -65,7 +65,7 @@ from ..format.storage import BLOCK_DIR, TMP_MARK, ObjectChangedError, PinnedObje
 
 __all__ = ["LocalCopies", "Reservation", "Resident", "SessionStats", "STAT_FIELDS", "STATS_DIR", "copy_name",
            "discard_copy", "fetch_verified", "mark_verified", "parse_size", "pin_verified",
-           "read_pinned", "tree_bytes", "trusted_copy"]
+           "read_pinned", "tree_bytes", "trusted_copy", "unpin"]
 
 LOCK_NAME = ".copies.lock"
 # our reservations (a stale one, whose writer died, is ours to delete)
@@ -74,6 +74,7 @@ _RESERVATION = re.compile(re.escape(TMP_MARK) + r"\d+-r\d+$")
 # made by an older torchcache, never read)
 _BLOCK_COPY = re.compile(r"\d{6,}-\d{6,}(\.arrays)?\.safetensors(\.[0-9a-f]{64})?$")
 _OK, _REMOTE = ".ok-", ".remote-"
+_TAGGED = ".pinned-"  # + the tag of a remote file's version verified here (see pin_verified)
 
 # ---------------------------------------------------------------- sizes
 
@@ -260,16 +261,25 @@ def pin_verified(storage: RemoteStorage, rel: str, checksum: str, size: int, cop
     first time this machine sees a version of ``rel``, that version is downloaded whole (a
     pinned read) and checked against ``checksum``, and an empty marker beside ``copy_path``
     records it. Later, each process opens the file once (one metadata request), finds the
-    marker, and pins every ranged read to that version. Returns (pinned file, its bytes when
+    marker, and pins every ranged read to that version; where the store pins reads to an ETag
+    (S3), a second marker names the version's tag and later processes (a DataLoader's workers,
+    epoch after epoch) pin their reads to it with no request at all (if it was replaced since,
+    the first read says so: :func:`unpin`, then this again). Returns (pinned file, its bytes when
     they were downloaded here, else None). A version that does not match is a CacheFormatError
     naming the URL: the remote cache changed after commit.
     """
     url = f"{storage.url}/{rel}"
     os.makedirs(os.path.dirname(copy_path), exist_ok=True)
+    tag = _verified_tag(copy_path)
+    if tag is not None:  # a version verified on this machine before: pinned with no request
+        pinned = _open_pinned(storage, rel, tag)
+        if pinned is not None:
+            return pinned, None
     for attempt in range(attempts):
         pinned = _open_pinned(storage, rel)
         marker = f"{copy_path}{_REMOTE}{hashlib.sha256(pinned.identity.encode()).hexdigest()[:32]}"
         if os.path.exists(marker):
+            _mark_tag(copy_path, pinned)
             return pinned, None
         with open(copy_path + ".lock", "a+b") as lock:  # one download per machine
             fcntl.flock(lock.fileno(), fcntl.LOCK_EX)
@@ -285,14 +295,48 @@ def pin_verified(storage: RemoteStorage, rel: str, checksum: str, size: int, cop
             if problem:
                 raise CacheFormatError(f"{url}: {problem}: {_CHANGED}")
             _create_empty(marker)
+            _mark_tag(copy_path, pinned)
         return pinned, data
     raise CacheFormatError(f"{url}: replaced {attempts} times while being verified; {_CHANGED}")
 
 
-def _open_pinned(storage: RemoteStorage, rel: str) -> PinnedObject:
+def unpin(copy_path: str, pinned: PinnedObject) -> None:
+    """Forget that ``pinned``'s version was verified (it is no longer on the store): the next
+    :func:`pin_verified` looks the file up again instead of pinning reads to that version."""
+    if pinned.tag is not None:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(f"{copy_path}{_TAGGED}{pinned.tag}")
+
+
+def _mark_tag(copy_path: str, pinned: PinnedObject) -> None:
+    """Record the verified version's tag (an empty file named by it), so that the machine's
+    other readers (a DataLoader's next workers) pin reads to it without a metadata request."""
+    if pinned.tag is not None:
+        _create_empty(f"{copy_path}{_TAGGED}{pinned.tag}")
+
+
+def _verified_tag(copy_path: str) -> str | None:
+    """The tag of the version of ``copy_path``'s remote file verified last on this machine (see
+    :func:`_mark_tag`), or None."""
+    folder, name = os.path.split(copy_path)
+    prefix = name + _TAGGED
+    found = []
+    try:
+        entries = os.scandir(folder)
+    except FileNotFoundError:
+        return None
+    with entries:
+        for entry in entries:
+            if entry.name.startswith(prefix):
+                with contextlib.suppress(FileNotFoundError):
+                    found.append((entry.stat().st_mtime_ns, entry.name[len(prefix):]))
+    return max(found)[1] if found else None
+
+
+def _open_pinned(storage: RemoteStorage, rel: str, tag: str | None = None) -> PinnedObject | None:
     url = f"{storage.url}/{rel}"
     try:
-        return storage.open_pinned(rel)
+        return storage.open_pinned(rel, tag)
     except FileNotFoundError:
         raise CacheFormatError(f"{url}: missing from the remote cache; "
                                "run `torchcache verify` on it") from None

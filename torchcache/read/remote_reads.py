@@ -86,7 +86,7 @@ from ..format import blocks as fmt
 from ..format.storage import ObjectChangedError, PinnedObject
 from .cache_files import CacheFiles, check_block_file
 from .local_copies import (BUSY, EXISTS, REFUSED, LocalCopies, Resident, SessionStats, copy_name,
-                           fetch_verified, pin_verified, read_pinned)
+                           fetch_verified, pin_verified, read_pinned, unpin)
 
 __all__ = ["ArrayReads", "BoundedReader", "ReadOrder", "SamplerReads", "block_pieces", "fetch_depth"]
 
@@ -498,20 +498,22 @@ class BoundedReader:
         jobs = []
         order = np.lexsort((lo, blocks))
         edges = np.flatnonzero(np.diff(blocks[order])) + 1
+        copying = []  # (block, its pieces, the copy of it under way): read once it is there
         for group in np.split(order, edges) if len(order) else []:
             b = int(blocks[group[0]])
             entry = self._copy(table, dtype, b)
             if entry is None:
                 missed[ranges[group]] = True
-                entry = self._obtain(table, dtype, b, snapshot)
+                copy = self._start_copy(table, b, snapshot)
+                if copy is not None:  # the copies of a call's blocks download side by side
+                    copying.append((b, group, copy))
+                    continue
             if entry is not None:
-                fd, data_start, path = entry
-                for first, end, to in zip(lo[group].tolist(), hi[group].tolist(), dest[group].tolist()):
-                    _pread_fully(fd, flat[to:to + (end - first) * item], data_start + first * item, path)
+                self._pread_pieces(entry, lo[group], hi[group], dest[group], flat, item)
                 continue
             jobs.extend(self._ranged_jobs(table, item, b, lo[group], hi[group], dest[group], flat))
         futures = []
-        if len(jobs) == 1 and self._batch is None:  # nothing to fetch ahead: one request, here
+        if len(jobs) == 1 and self._batch is None and not copying:  # one request: made here
             (key, a, z), targets = jobs[0]
             _scatter(self._fetch_parts([(key, a, z)]), targets)
         elif jobs:
@@ -520,6 +522,16 @@ class BoundedReader:
         if snapshot is not None and self._fds:
             self._release_unneeded(snapshot)
         self._pump(table, dtype, snapshot)  # (while this call's own requests are answered)
+        late = []  # the pieces of blocks whose copy was refused: by range after all
+        for b, group, copy in copying:
+            entry = self._copy(table, dtype, b) if copy.result() else None
+            if entry is not None:
+                self._pread_pieces(entry, lo[group], hi[group], dest[group], flat, item)
+            else:
+                late.extend(self._ranged_jobs(table, item, b, lo[group], hi[group], dest[group], flat))
+        if late:
+            pool = self._executor()
+            futures.extend((pool.submit(self._fetch_parts, [where]), targets) for where, targets in late)
         for future, targets in futures:
             _scatter(future.result(), targets)
         for target, future, offset in waiting:
@@ -625,19 +637,25 @@ class BoundedReader:
         key = (table.path(b), table.checksum(b), size)
         return key, data_start + lo * item, data_start + hi * item
 
-    def _obtain(self, table: Any, dtype: np.dtype, b: int, snapshot: tuple | None
-                ) -> tuple[int, int, str] | None:
-        """Block b's copy after waiting for our download of it, or after copying it now if the
-        policy admits it; None: read it by range."""
+    def _start_copy(self, table: Any, b: int, snapshot: tuple | None) -> Future | None:
+        """Our download of block b's copy (True once a copy is there, False if refused): the
+        one under way, or one started now if the policy admits it; None: read it by range."""
         future = self._blocks.get(b)
-        if future is not None:
-            copied = future.result()
-        elif self._admit(table, b, snapshot):
-            copied = self._fetch_block(b, table.path(b), table.size(b), table.checksum(b),
-                                       self._policy(table, b, snapshot))
-        else:
-            return None
-        return self._copy(table, dtype, b) if copied else None
+        if future is None and self._admit(table, b, snapshot):
+            future = self._executor().submit(self._fetch_block, b, table.path(b), table.size(b),
+                                             table.checksum(b), self._policy(table, b, snapshot))
+            self._blocks[b] = future
+            future.add_done_callback(lambda f, b=b: self._blocks.pop(b, None)
+                                     if self._blocks.get(b) is f else None)
+        return future
+
+    @staticmethod
+    def _pread_pieces(entry: tuple[int, int, str], lo: np.ndarray, hi: np.ndarray,
+                      dest: np.ndarray, flat: memoryview, item: int) -> None:
+        """Tokens ``[lo, hi)`` of a block from its open copy into ``flat`` at byte ``dest``."""
+        fd, data_start, path = entry
+        for first, end, to in zip(lo.tolist(), hi.tolist(), dest.tolist()):
+            _pread_fully(fd, flat[to:to + (end - first) * item], data_start + first * item, path)
 
     # ------------------------------------------------------------ policy
     def _admit(self, table: Any, b: int, snapshot: tuple | None) -> bool:
@@ -738,8 +756,8 @@ class BoundedReader:
             self.stats_counter.flush()
             return False
         self._free = self.limit - used
-        try:
-            data = fetch_verified(self.remote, rel, checksum)
+        try:  # (its committed size: one request, where s3fs asks for the size of a whole file)
+            data = fetch_verified(self.remote, rel, checksum, max_size=size)
         except BaseException:
             reservation.abort()
             raise
@@ -773,6 +791,7 @@ class BoundedReader:
             except ObjectChangedError:  # replaced since pinned: verify the new version
                 with self._mu:
                     self._pins.pop((rel, checksum), None)
+                unpin(self.copies.dir.path(copy_name(rel, checksum)), pinned)
                 continue
             self.stats_counter.add_many({"bytes_downloaded": len(data), "ranged_bytes": len(data),
                                          "ranged_reads": 1})
