@@ -303,3 +303,23 @@ def test_a_block_closes_at_block_array_bytes_and_reads_the_same(tmp_path, gpt2_t
 def _text_only_cache(tmp_path, tokenizer):
     src = write_jsonl(tmp_path / "t.jsonl", [{"text": "hello"}])
     return tc.build_cache(src, tmp_path / "text-only", tokenizer, progress=False).path
+
+
+def transposed_record(record):
+    """Features as feature extractors return them: a transposed (Fortran-order) array, and a
+    strided view."""
+    base = np.arange(record["seed"] * 240, (record["seed"] + 1) * 240, dtype=np.float32).reshape(80, 3)
+    return {"text": record["text"], "fortran": base.T, "strided": base[::2, ::2]}
+
+
+def test_arrays_in_any_memory_layout_come_back_in_their_shape(tmp_path, gpt2_tokenizer_path):
+    src = write_jsonl(tmp_path / "t.jsonl", [{"text": f"doc {k}", "seed": k} for k in range(6)])
+    cache = (tc.source(src).map(transposed_record)
+             .tokenize(gpt2_tokenizer_path, arrays=("fortran", "strided"), block_tokens=6,
+                       progress=False).cache(tmp_path / "c"))
+    assert cache.num_blocks > 1
+    for d in range(6):
+        expected, got = transposed_record({"text": "", "seed": d}), cache.document_arrays(d)
+        for name in ("fortran", "strided"):
+            assert got[name].shape == expected[name].shape
+            assert np.array_equal(got[name], expected[name])

@@ -65,7 +65,7 @@ class ArrayConverter:
             raise bad(f"has dtype {array.dtype}; use bool, (u)int8..64 or float16/32/64")
         if first is None:
             self._first[name] = (array.dtype, (None,) + array.shape[1:])
-        return np.ascontiguousarray(array)
+        return array  # in any memory layout: the block's writer copies it into C order
 
 
 def _as_array(value: Any, bad: Any) -> np.ndarray:
